@@ -1,0 +1,77 @@
+"""Run the configured passes on a copy of an ATen graph, falling back on any failure."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from torch.fx import Graph, GraphModule
+
+from .analysis import analyze
+from .config import Config
+from .report import Report, build_report, record
+
+log = logging.getLogger("fxcoalesce")
+_graph_ids = itertools.count()
+
+
+def copy_graph_module(gm: GraphModule) -> GraphModule:
+    """A new GraphModule over a node-for-node copy of ``gm.graph`` (meta shared shallowly)."""
+    graph = Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    return GraphModule(gm, graph)
+
+
+def run_pipeline(gm: GraphModule, cfg: Config, *, name: str | None = None
+                 ) -> tuple[GraphModule, Report]:
+    """Return the rewritten graph module and its report; ``gm`` itself is never modified."""
+    from fxcoalesce.passes import PASSES
+
+    name = name or f"graph {next(_graph_ids)}"
+    t0 = time.perf_counter()
+    before = analyze(gm)
+    analysis_ms = (time.perf_counter() - t0) * 1e3
+    work = copy_graph_module(gm)
+    timings, buckets, warnings = [], [], []
+    fell_back = False
+    try:
+        for pass_name in cfg.enabled_passes:
+            t = time.perf_counter()
+            result = PASSES[pass_name](work, cfg=cfg)
+            timings.append({"name": pass_name, "ms": round((time.perf_counter() - t) * 1e3, 3),
+                            "changed": result.changed})
+            buckets += [asdict(b) for b in result.buckets]
+            warnings += [f"{pass_name}: {w}" for w in result.warnings]
+        work.graph.lint()
+        work.recompile()
+    except Exception as e:
+        if cfg.strict:
+            raise
+        log.warning("fxcoalesce[%s]: pass failed, using the unmodified graph: %r", name, e)
+        warnings.append(f"fell back to the unmodified graph: {type(e).__name__}: {e}")
+        work, buckets, fell_back = gm, [], True
+    report = build_report(name, before, analyze(work), cost=cfg.cost, passes=timings,
+                          buckets=buckets, warnings=warnings, analysis_ms=analysis_ms,
+                          fell_back=fell_back)
+    record(report)
+    if cfg.dump_dir:
+        dump(cfg.dump_dir, name, gm, work, report)
+    return work, report
+
+
+def graph_text(gm: GraphModule) -> str:
+    return gm.print_readable(print_output=False, include_stride=False, include_device=False)
+
+
+def dump(directory: str, name: str, before: GraphModule, after: GraphModule,
+         report: Report, **extra) -> Path:
+    out = Path(directory) / name.replace(" ", "_")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "before.txt").write_text(graph_text(before))
+    (out / "after.txt").write_text(graph_text(after))
+    (out / "report.json").write_text(report.to_json(**extra))
+    return out

@@ -1,0 +1,110 @@
+"""One report per compiled graph: what the pipeline found, did, left alone, and predicts."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass, field
+
+import torch.distributed as dist
+
+from .analysis import Analysis
+from .config import CostModel
+
+log = logging.getLogger("fxcoalesce")
+_REPORTS: list["Report"] = []
+
+
+@dataclass(slots=True)
+class Report:
+    """Counts, bytes, buckets, timings and warnings for one graph."""
+
+    graph: str
+    world_size: int | None
+    all_reduce: dict[str, int] = field(default_factory=dict)
+    predicted_comm_us: dict[str, float] = field(default_factory=dict)
+    chains: dict[str, int] = field(default_factory=dict)
+    buckets: list[dict] = field(default_factory=list)
+    windows: list[dict] = field(default_factory=list)
+    passes: list[dict] = field(default_factory=list)
+    analysis_ms: float = 0.0
+    nodes: dict[str, int] = field(default_factory=dict)
+    other_collectives: dict[str, int] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+    fell_back: bool = False
+    verdict: str = ""
+
+    def to_json(self, **extra) -> str:
+        return json.dumps({**extra, **asdict(self)}, indent=2, default=str)
+
+    def summary(self) -> str:
+        a = self.all_reduce
+        return (f"fxcoalesce[{self.graph}]: all_reduce {a['before']} -> {a['after']} launches "
+                f"(lower bound {a['lower_bound']}), {a['bytes_before']} -> {a['bytes_after']} "
+                f"bytes, {len(self.buckets)} bucket(s); {self.verdict}")
+
+
+def world_size_of(analysis: Analysis) -> int | None:
+    for info in analysis.infos:
+        try:
+            return dist.distributed_c10d._resolve_process_group(info.block.key.group).size()
+        except Exception:  # unknown or fake group names: no size to model
+            return None
+    return None
+
+
+def comm_us(analysis: Analysis, cost: CostModel, world: int | None) -> float:
+    return sum(cost.all_reduce_us(i.block.nbytes, world or 2) for i in analysis.infos)
+
+
+def verdict(before: Analysis, after: Analysis) -> str:
+    if before.all_reduce_count == before.lower_bound:
+        return ("already at its bound: the all_reduces form dependency chains, and no exact "
+                "rewrite can merge links of a chain")
+    if after.all_reduce_count == before.lower_bound:
+        return "reached the lower bound"
+    return (f"{after.all_reduce_count - before.lower_bound} launch(es) above the bound "
+            "(bucket cap or left-alone collectives; see warnings)")
+
+
+def build_report(graph: str, before: Analysis, after: Analysis, *, cost: CostModel,
+                 passes: list[dict], buckets: list[dict], warnings: list[str],
+                 analysis_ms: float, fell_back: bool) -> Report:
+    world = world_size_of(before)
+    warn = [f"{n.name}: left alone: {why}" for n, why in before.scan.skipped]
+    warn += [f"{n.name}: left alone: {why}" for n, why in before.scan.unknown]
+    bytes_of = lambda a: sum(i.block.nbytes for i in a.infos)  # noqa: E731
+    return Report(
+        graph=graph, world_size=world,
+        all_reduce={"before": before.all_reduce_count, "after": after.all_reduce_count,
+                    "lower_bound": before.lower_bound, "bytes_before": bytes_of(before),
+                    "bytes_after": bytes_of(after)},
+        predicted_comm_us={"before": round(comm_us(before, cost, world), 1),
+                           "after": round(comm_us(after, cost, world), 1),
+                           "world_size_assumed": world or 2},
+        chains={str(k): v for k, v in before.chains.items()},
+        buckets=buckets,
+        windows=[{"node": i.block.collective.name, "level": i.level, "ready": i.ready,
+                  "need": i.need, "slack": i.slack, "bytes": i.block.nbytes}
+                 for i in before.infos],
+        passes=passes, analysis_ms=round(analysis_ms, 3),
+        nodes={"before": len(before.order), "after": len(after.order)},
+        other_collectives=dict(before.scan.other),
+        warnings=warn + warnings, fell_back=fell_back, verdict=verdict(before, after),
+    )
+
+
+def record(report: Report) -> None:
+    _REPORTS.append(report)
+    log.info(report.summary())
+    for w in report.warnings:
+        log.warning("fxcoalesce[%s]: %s", report.graph, w)
+
+
+def reports() -> list[Report]:
+    """All reports of this process, oldest first."""
+    return list(_REPORTS)
+
+
+def clear_reports() -> None:
+    _REPORTS.clear()

@@ -1,0 +1,47 @@
+"""Tensor-parallel model zoo: named configs, one build function, one apply_tp.
+
+Each family module (``transformer``, ``deepseek``) has ``CONFIGS``, ``build(name, ...)``
+and ``apply_tp(model, group)``. Models import only torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+import torch
+
+FAMILIES = ("transformer", "deepseek")
+
+
+def _family_modules() -> list[ModuleType]:
+    return [importlib.import_module(f".{f}", __name__) for f in FAMILIES]
+
+
+def registry() -> dict[str, ModuleType]:
+    """Model name → the family module that builds it."""
+    return {name: fam for fam in _family_modules() for name in fam.CONFIGS}
+
+
+def model_names() -> list[str]:
+    return list(registry())
+
+
+def family_of(name: str) -> ModuleType:
+    reg = registry()
+    if name not in reg:
+        raise ValueError(f"unknown model {name!r}; choose one of: {', '.join(reg)}")
+    return reg[name]
+
+
+def build(name: str, *, hand_merged: bool = False, dtype: torch.dtype = torch.float32,
+          device=None, seed: int = 0) -> torch.nn.Module:
+    """The unsharded model ``name`` with seeded weights."""
+    return family_of(name).build(name, hand_merged=hand_merged, dtype=dtype, device=device,
+                                 seed=seed)
+
+
+def apply_tp(model: torch.nn.Module, group) -> torch.nn.Module:
+    """Shard ``model`` over ``group`` in place (its family's ``apply_tp``)."""
+    fam = importlib.import_module(type(model).__module__)
+    return fam.apply_tp(model, group)

@@ -1,0 +1,147 @@
+"""bucket: fuse mutually independent, compatible all_reduces into one launch.
+
+Requires: comm blocks from ``find_comm_blocks`` (all_reduce/all_reduce_ with one wait).
+Ensures: every (key, level) group of the analysis becomes one all_reduce (split further
+only by ``cfg.bucket_cap_mb``), issued right after its last member's input; consumers
+read the same values as before. Launches after = lower bound when the cap allows.
+
+    before                                  after
+    %a = all_reduce(%x, sum, 0)             %cat = cat([reshape(%x, [-1]), reshape(%y, [-1])])
+    %wa = wait_tensor(%a)                   %ab = all_reduce(%cat, sum, 0)
+    %b = all_reduce(%y, sum, 0)             %w = wait_tensor(%ab)
+    %wb = wait_tensor(%b)                   %s = split_with_sizes(%w, [n_x, n_y])
+    %out = add(%wa, %wb)                    %out = add(reshape(%s[0], x.shape), reshape(%s[1], y.shape))
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import deque
+
+import torch
+from torch.fx import GraphModule, Node
+
+from fxcoalesce.analysis import Analysis, BlockInfo, analyze
+from fxcoalesce.collectives import ALL_REDUCE, WAIT
+from fxcoalesce.config import Config
+from fxcoalesce.graph_order import reorder
+from fxcoalesce.meta import fake_mode_of, propagate_val
+
+from .result import Bucket, PassResult
+
+aten = torch.ops.aten
+
+
+def plan_buckets(analysis: Analysis, cap_bytes: int, *, by_global_level: bool = False
+                 ) -> list[list[BlockInfo]]:
+    """Group blocks by (key, level) in node order, splitting a group that exceeds the cap."""
+    groups: dict[tuple, list[BlockInfo]] = {}
+    for info in analysis.infos:
+        lvl = info.global_level if by_global_level else info.level
+        groups.setdefault((info.block.key, lvl), []).append(info)
+    plan = []
+    for members in groups.values():
+        current, size = [], 0
+        for m in members:
+            if current and size + m.block.nbytes > cap_bytes:
+                plan.append(current)
+                current, size = [], 0
+            current.append(m)
+            size += m.block.nbytes
+        plan.append(current)
+    return plan
+
+
+def quotient_is_acyclic(analysis: Analysis, plan: list[list[BlockInfo]]) -> bool:
+    """Would merging each planned group's collectives into one node keep the graph a DAG?"""
+    unit: dict[Node, int] = {}
+    for gid, group in enumerate(plan):
+        for info in group:
+            unit[info.block.collective] = -1 - gid
+    key = lambda n: unit.get(n, analysis.order[n])  # noqa: E731
+    succ: dict[int, list[int]] = {}
+    indeg: dict[int, int] = {}
+    for n in analysis.order:
+        u = key(n)
+        indeg.setdefault(u, 0)
+        for i in n.all_input_nodes:
+            a = key(i)
+            if a != u:
+                succ.setdefault(a, []).append(u)
+                indeg[u] += 1
+    ready = deque(u for u, d in indeg.items() if d == 0)
+    seen = 0
+    while ready:
+        u = ready.popleft()
+        seen += 1
+        for s in succ.get(u, ()):
+            indeg[s] -= 1
+            if indeg[s] == 0:
+                ready.append(s)
+    return seen == len(indeg)
+
+
+def _emit(graph, cursor: Node, target, args, mode, new: list[Node]) -> Node:
+    with graph.inserting_after(cursor):
+        node = graph.call_function(target, args)
+    propagate_val(node, mode)
+    new.append(node)
+    return node
+
+
+def _fuse(gm: GraphModule, group: list[BlockInfo], order: dict[Node, int], mode,
+          priority: dict[Node, float]) -> Node:
+    graph = gm.graph
+    blocks = [i.block for i in group]
+    anchor = max((b.input for b in blocks), key=order.__getitem__)
+    new: list[Node] = []
+    cursor = anchor
+    flats = []
+    for b in blocks:
+        cursor = _emit(graph, cursor, aten.reshape.default, (b.input, [-1]), mode, new)
+        flats.append(cursor)
+    cat = _emit(graph, cursor, aten.cat.default, (flats,), mode, new)
+    key = blocks[0].key
+    fused = _emit(graph, cat, ALL_REDUCE, (cat, key.op, key.group), mode, new)
+    wait = _emit(graph, fused, WAIT, (fused,), mode, new)
+    parts = _emit(graph, wait, aten.split_with_sizes.default,
+                  (wait, [b.numel for b in blocks]), mode, new)
+    cursor = parts
+    for i, b in enumerate(blocks):
+        item = _emit(graph, cursor, operator.getitem, (parts, i), mode, new)
+        out = _emit(graph, item, aten.reshape.default, (item, list(b.shape)), mode, new)
+        cursor = out
+        if any(u.op == "output" for u in b.wait.users):  # no new aliasing between outputs
+            out = cursor = _emit(graph, out, aten.clone.default, (out,), mode, new)
+        b.wait.replace_all_uses_with(out)
+        graph.erase_node(b.wait)
+        graph.erase_node(b.collective)
+    base = order[anchor]
+    for j, n in enumerate(new):
+        priority[n] = base + (j + 1) / (len(new) + 1)
+    return fused
+
+
+def bucket_pass(gm: GraphModule, *, cfg: Config) -> PassResult:
+    analysis = analyze(gm)
+    result = PassResult()
+    plan = plan_buckets(analysis, cfg.bucket_cap_bytes)
+    if len(analysis.chains) > 1 and not quotient_is_acyclic(analysis, plan):
+        plan = plan_buckets(analysis, cfg.bucket_cap_bytes, by_global_level=True)
+        result.warnings.append(
+            "per-key levels of different keys interlock; bucketed by global level instead "
+            "(may miss the per-key bound)")
+    plan = [g for g in plan if len(g) > 1]
+    if not plan:
+        return result
+    mode = fake_mode_of(analysis.order)
+    priority = {n: float(i) for n, i in analysis.order.items()}
+    for group in plan:
+        fused = _fuse(gm, group, analysis.order, mode, priority)
+        result.buckets.append(Bucket(
+            members=[i.block.collective.name for i in group],
+            nbytes=sum(i.block.nbytes for i in group),
+            level=group[0].level, key=str(group[0].block.key), collective=fused.name))
+    reorder(gm.graph, priority, set(analysis.barriers))
+    result.changed = True
+    return result

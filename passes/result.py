@@ -1,0 +1,26 @@
+"""What a pass returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class Bucket:
+    """One fused all_reduce: the member collectives it replaced."""
+
+    members: list[str]
+    nbytes: int
+    level: int
+    key: str
+    collective: str
+    """Name of the new all_reduce node."""
+
+
+@dataclass(slots=True)
+class PassResult:
+    """Outcome of one pass: whether it changed the graph, what it built, what it left alone."""
+
+    changed: bool = False
+    buckets: list[Bucket] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
