@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -18,14 +19,21 @@ from .config import Config
 from .pipeline import run_pipeline
 
 
-def backend(config: Config | None = None):
+def backend(config: Config | None = None, *, on_graph: Callable | None = None):
     """A ``torch.compile`` backend: dynamo → AOTAutograd → fxcoalesce passes → codegen.
 
     With ``codegen="inductor"`` the passes run inside Inductor's ``inner_compile``, on the
     ATen graph before Inductor's own post-grad passes; ``codegen="eager"`` runs the
-    rewritten graph as Python (for debugging).
+    rewritten graph as Python (for debugging). ``on_graph(before, after, report)`` is called
+    for every graph (inspection tools use it).
     """
     cfg = config or Config()
+
+    def rewrite(gm):
+        new, report = run_pipeline(gm, cfg)
+        if on_graph is not None:
+            on_graph(gm, new, report)
+        return new
 
     if cfg.codegen == "eager":
         from functorch.compile import make_boxed_func
@@ -33,7 +41,7 @@ def backend(config: Config | None = None):
         from torch._inductor.decomposition import select_decomp_table
 
         def fw_compiler(gm, example_inputs):
-            return make_boxed_func(run_pipeline(gm, cfg)[0].forward)
+            return make_boxed_func(rewrite(gm).forward)
 
         return aot_autograd(fw_compiler=fw_compiler, decompositions=select_decomp_table())
 
@@ -41,9 +49,14 @@ def backend(config: Config | None = None):
         from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
         def inner_compile(graph_module, inputs, **kwargs):
-            return compile_fx_inner(run_pipeline(graph_module, cfg)[0], inputs, **kwargs)
+            return compile_fx_inner(rewrite(graph_module), inputs, **kwargs)
 
-        return compile_fx(gm, example_inputs, inner_compile=inner_compile)
+        # Inductor's caches key on its config, not on inner_compile: a hit would skip the
+        # pipeline (and its report), or serve a graph compiled without it. Keep them off here;
+        # ``inductor_pass`` is the cache-friendly route (its uuid() joins the cache key).
+        with torch._functorch.config.patch(enable_autograd_cache=False), \
+                torch._inductor.config.patch(fx_graph_cache=False):
+            return compile_fx(gm, example_inputs, inner_compile=inner_compile)
 
     return fxcoalesce_inductor
 

@@ -6,12 +6,13 @@ and ``apply_tp(model, group)``. Models import only torch.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from types import ModuleType
 
 import torch
 
-FAMILIES = ("transformer", "deepseek")
+FAMILIES = ("transformer",)
 
 
 def _family_modules() -> list[ModuleType]:
@@ -35,13 +36,24 @@ def family_of(name: str) -> ModuleType:
 
 
 def build(name: str, *, hand_merged: bool = False, dtype: torch.dtype = torch.float32,
-          device=None, seed: int = 0) -> torch.nn.Module:
-    """The unsharded model ``name`` with seeded weights."""
-    return family_of(name).build(name, hand_merged=hand_merged, dtype=dtype, device=device,
-                                 seed=seed)
+          device=None, seed: int = 0, layers: int | None = None) -> torch.nn.Module:
+    """The unsharded model ``name`` with seeded weights (``layers`` overrides its depth)."""
+    fam = family_of(name)
+    args = fam.CONFIGS[name]
+    if layers is not None:
+        if layers < 1:
+            raise ValueError("the layer count must be at least 1")
+        args = dataclasses.replace(args, n_layers=layers)
+    return fam.build(args, hand_merged=hand_merged, dtype=dtype, device=device, seed=seed)
 
 
 def apply_tp(model: torch.nn.Module, group) -> torch.nn.Module:
     """Shard ``model`` over ``group`` in place (its family's ``apply_tp``)."""
     fam = importlib.import_module(type(model).__module__)
     return fam.apply_tp(model, group)
+
+
+def make_step(model: torch.nn.Module, step: str, tokens: int):
+    """(callable, example args) running ``step`` ("forward", or "verify" for MoE targets)."""
+    fam = importlib.import_module(type(model).__module__)
+    return fam.make_step(model, step, tokens)

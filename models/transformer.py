@@ -208,3 +208,11 @@ def build(name_or_args: str | ModelArgs, *, hand_merged: bool = False,
             return Transformer(args).eval()
     finally:
         torch.set_default_dtype(previous)
+
+
+def make_step(model: Transformer, step: str, tokens: int):
+    """(callable, example args) for ``step``; dense decoders offer only "forward"."""
+    if step != "forward":
+        raise ValueError(f"{type(model).__name__} models support only step 'forward', "
+                         f"not {step!r}")
+    return model, (torch.zeros(1, tokens, dtype=torch.long),)

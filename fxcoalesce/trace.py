@@ -1,0 +1,55 @@
+"""Trace a named model's step under fake tensors and a fake process group (no weights, no
+GPU) and run the pipeline on it: what ``fxcoalesce inspect`` shows."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx import GraphModule
+
+from .backend import backend
+from .config import Config
+from .distributed import init_fake_group
+from .report import Report
+
+
+@dataclass(slots=True)
+class Traced:
+    """The graph before and after the pipeline, its report, and how long tracing took."""
+
+    before: GraphModule
+    after: GraphModule
+    report: Report
+    seconds: float
+
+
+def trace_model(name: str, *, tp: int, tokens: int, step: str = "forward",
+                hand_merged: bool = False, config: Config | None = None,
+                layers: int | None = None,
+                dtype: torch.dtype = torch.bfloat16) -> Traced:
+    """Build ``name`` under ``FakeTensorMode``, shard it over a fake group of ``tp`` ranks,
+    compile ``step`` with the fxcoalesce backend and return the first graph it rewrote."""
+    from fxcoalesce import models
+
+    if tp < 1 or tokens < 1:
+        raise ValueError("--tp and --tokens must be at least 1")
+    models.family_of(name)  # unknown names fail here, before any work
+    t0 = time.perf_counter()
+    group = init_fake_group(tp) if tp > 1 else None
+    mode = FakeTensorMode()
+    with mode:
+        model = models.build(name, hand_merged=hand_merged, dtype=dtype, layers=layers)
+        models.apply_tp(model, group)
+        fn, args = models.make_step(model, step, tokens)
+    graphs = []
+    cfg = replace(config or Config(), codegen="eager")
+    compiled = torch.compile(fn, backend=backend(cfg, on_graph=lambda *g: graphs.append(g)),
+                             fullgraph=True)
+    torch._dynamo.reset()
+    with torch.no_grad(), mode:
+        compiled(*args)
+    before, after, report = graphs[0]
+    return Traced(before, after, report, time.perf_counter() - t0)

@@ -1,0 +1,86 @@
+"""Tier 2: named models traced under a fake process group, through Inductor on CPU.
+
+Counts come from the report and, independently, from Inductor's generated code.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch._inductor.utils import run_and_get_code
+
+import fxcoalesce
+from fxcoalesce.distributed import init_fake_group
+from fxcoalesce.models import apply_tp, build, transformer
+from fxcoalesce.trace import trace_model
+
+L = transformer.CONFIGS["neox-tiny"].n_layers
+
+
+@pytest.mark.parametrize("name, after", [("neox-tiny", 1 + L), ("llama-tiny", 1 + 2 * L)])
+def test_inspect_counts(name, after):
+    r = trace_model(name, tp=4, tokens=3).report
+    # neox: attention and MLP all_reduces of a block are independent -> one launch per block
+    # llama: every all_reduce feeds the next block -> one chain, already at the bound
+    assert r.all_reduce == {**r.all_reduce, "before": 1 + 2 * L, "after": after,
+                            "lower_bound": after}
+    assert ("already at its bound" in r.verdict) == (name == "llama-tiny")
+    assert r.other_collectives == {"all_gather": 1}  # the LM head, counted and left alone
+
+
+def test_hand_merged_matches_pass():
+    auto = trace_model("neox-tiny", tp=2, tokens=3).report.all_reduce
+    hand = trace_model("neox-tiny", tp=2, tokens=3, hand_merged=True).report.all_reduce
+    assert hand["before"] == hand["lower_bound"] == auto["after"] == 1 + L
+    assert hand["bytes_before"] < auto["bytes_after"]  # the hand merge also halves bytes
+
+
+def test_full_size_falcon_is_linear_and_fast():
+    """falcon-40b at full width, layer count halved vs full: rewrite time grows ~linearly."""
+    times = {}
+    for layers in (8, 16):
+        r = trace_model("falcon-40b", tp=8, tokens=3, layers=layers).report
+        assert r.all_reduce["after"] == r.all_reduce["lower_bound"] == 1 + layers
+        times[layers] = r.analysis_ms + sum(p["ms"] for p in r.passes)
+    assert times[16] < 1000
+    assert times[16] < 3.5 * times[8]
+
+
+def test_inductor_codegen_counts_and_values():
+    init_fake_group(2)
+    torch.manual_seed(0)
+    model = apply_tp(build("neox-tiny"), torch.distributed.group.WORLD)
+    tokens = torch.randint(0, 512, (1, 5))
+    fxcoalesce.clear_reports()
+    with torch.no_grad():
+        eager = model(tokens)  # the fake group's all_reduce returns its input unchanged
+        compiled = torch.compile(model, backend=fxcoalesce.backend(
+            fxcoalesce.Config(strict=True)), fullgraph=True)
+        out, codes = run_and_get_code(compiled, tokens)
+    code = "\n".join(codes)
+    # Inductor turns each functional all_reduce into one in-place call on its buffer
+    assert code.count("torch.ops._c10d_functional.all_reduce_.default(") == 1 + L
+    assert fxcoalesce.reports()[-1].all_reduce["after"] == 1 + L
+    torch.testing.assert_close(out, eager)
+
+
+def test_cli_inspect_writes_report(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "fxcoalesce.cli", "inspect", "--model",
+                           "neox-tiny", "--tp", "4", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    rep = json.loads((tmp_path / "report.json").read_text())
+    assert (rep["model"], rep["world_size"], rep["tokens"]) == ("neox-tiny", 4, 3)
+    assert rep["all_reduce"]["after"] == rep["all_reduce"]["lower_bound"] == 1 + L
+    assert {"name", "ms"} <= rep["passes"][0].keys()
+    assert "all_reduce" in (tmp_path / "before.txt").read_text()
+    assert (tmp_path / "after.txt").read_text().count("all_reduce.default(") == 1 + L
+
+
+def test_cli_rejects_unknown_model():
+    proc = subprocess.run([sys.executable, "-m", "fxcoalesce.cli", "inspect", "--model",
+                           "no-such-model"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "unknown model 'no-such-model'" in proc.stderr and "Traceback" not in proc.stderr
