@@ -6,7 +6,7 @@
 """
 
 from .analysis import Analysis, analyze
-from .backend import backend, inductor_pass
+from .compiler import backend, inductor_pass
 from .collectives import find_comm_blocks
 from .config import Config, CostModel
 from .pipeline import run_pipeline

@@ -14,7 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from .backend import backend
+from .compiler import backend
 from .config import Config
 from .report import reports
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.fx import Graph, Node
+from torch.multiprocessing.reductions import StorageWeakRef
 
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
@@ -108,7 +109,12 @@ def _arg(node: Node, i: int, name: str):
     return node.args[i] if len(node.args) > i else node.kwargs.get(name)
 
 
-def _block_or_reason(node: Node, order: dict[Node, int]) -> CommBlock | str:
+def _storage(node: Node):
+    val = tensor_val(node)
+    return StorageWeakRef(val.untyped_storage()) if val is not None else None
+
+
+def _block_or_reason(node: Node, order: dict[Node, int], sharing: dict) -> CommBlock | str:
     inp = _arg(node, 0, "input")
     op, group = _arg(node, 1, "reduce_op"), _arg(node, 2, "group_name")
     if not isinstance(inp, Node):
@@ -134,6 +140,8 @@ def _block_or_reason(node: Node, order: dict[Node, int]) -> CommBlock | str:
             return "all_reduce_ mutates a graph input or a view; the mutation must stay visible"
         if any(order[u] > order[node] for u in inp.users if u is not node):
             return "all_reduce_ input is read again after the in-place collective"
+        if len(sharing.get(_storage(inp), ())) > 1:
+            return "all_reduce_ input shares storage with other tensors (views) of the graph"
     wait = users[0]
     copy_back = next((u for u in wait.users if u.target in COPIES and u.args[1] is wait), None)
     numel = 1
@@ -156,11 +164,16 @@ def find_comm_blocks(graph: Graph) -> CommScan:
     """Classify every collective in ``graph`` (in node order, so results are deterministic)."""
     scan = CommScan()
     order = {n: i for i, n in enumerate(graph.nodes)}
+    sharing: dict = {}  # storage -> nodes whose value lives in it (for in-place safety)
+    if any(n.target is ALL_REDUCE_ for n in graph.nodes):
+        for n in graph.nodes:
+            if n.target not in (ALL_REDUCE_, WAIT) and (s := _storage(n)) is not None:
+                sharing.setdefault(s, []).append(n)
     for node in graph.nodes:
         if node.op != "call_function":
             continue
         if is_all_reduce(node):
-            found = _block_or_reason(node, order)
+            found = _block_or_reason(node, order, sharing)
             if isinstance(found, CommBlock):
                 scan.blocks.append(found)
             else:

@@ -23,7 +23,10 @@ def reorder(graph: Graph, priority: dict[Node, float] | None = None,
     nodes = [n for n in graph.nodes if n.op != "output"]
     output = next(iter(reversed(graph.nodes)))
     pos = {n: i for i, n in enumerate(nodes)}
-    prio = priority or {}
+    prio = dict(priority or {})
+    for i, n in enumerate(nodes):  # placeholders stay first, in their order
+        if n.op == "placeholder":
+            prio[n] = -1e18 + i
     succ: dict[Node, list[Node]] = {n: [] for n in nodes}
     indeg = dict.fromkeys(nodes, 0)
 

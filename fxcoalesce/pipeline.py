@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 import time
@@ -22,7 +23,8 @@ def copy_graph_module(gm: GraphModule) -> GraphModule:
     """A new GraphModule over a node-for-node copy of ``gm.graph`` (meta shared shallowly)."""
     graph = Graph()
     out = graph.graph_copy(gm.graph, {})
-    graph.output(out)
+    # Inductor keeps facts on the output node (user-visible outputs and their strides)
+    graph.output(out).meta = copy.copy(next(reversed(gm.graph.nodes)).meta)
     return GraphModule(gm, graph)
 
 

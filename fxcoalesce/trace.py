@@ -10,7 +10,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import GraphModule
 
-from .backend import backend
+from .compiler import backend
 from .config import Config
 from .distributed import init_fake_group
 from .report import Report

@@ -20,6 +20,7 @@ from collections import deque
 
 import torch
 from torch.fx import GraphModule, Node
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from fxcoalesce.analysis import Analysis, BlockInfo, analyze
 from fxcoalesce.collectives import ALL_REDUCE, WAIT
@@ -81,6 +82,11 @@ def quotient_is_acyclic(analysis: Analysis, plan: list[list[BlockInfo]]) -> bool
     return seen == len(indeg)
 
 
+def _storage(node: Node):
+    val = node.meta.get("val")
+    return StorageWeakRef(val.untyped_storage()) if isinstance(val, torch.Tensor) else None
+
+
 def _emit(graph, cursor: Node, target, args, mode, new: list[Node]) -> Node:
     with graph.inserting_after(cursor):
         node = graph.call_function(target, args)
@@ -89,16 +95,18 @@ def _emit(graph, cursor: Node, target, args, mode, new: list[Node]) -> Node:
     return node
 
 
-def _fuse(gm: GraphModule, group: list[BlockInfo], order: dict[Node, int], mode,
-          priority: dict[Node, float]) -> Node:
+def _fuse(gm: GraphModule, group: list[BlockInfo], floor: Node | None, mode,
+          priority: dict[Node, float], output_storages: set) -> Node:
     graph = gm.graph
     blocks = [i.block for i in group]
-    anchor = max((b.input for b in blocks), key=order.__getitem__)
+    # live inputs: a member may read the wait of a bucket fused just before, now replaced
+    inputs = [b.collective.args[0] for b in blocks]
+    anchor = max(inputs + ([floor] if floor is not None else []), key=priority.__getitem__)
     new: list[Node] = []
     cursor = anchor
     flats = []
-    for b in blocks:
-        cursor = _emit(graph, cursor, aten.reshape.default, (b.input, [-1]), mode, new)
+    for x in inputs:
+        cursor = _emit(graph, cursor, aten.reshape.default, (x, [-1]), mode, new)
         flats.append(cursor)
     cat = _emit(graph, cursor, aten.cat.default, (flats,), mode, new)
     key = blocks[0].key
@@ -111,12 +119,12 @@ def _fuse(gm: GraphModule, group: list[BlockInfo], order: dict[Node, int], mode,
         item = _emit(graph, cursor, operator.getitem, (parts, i), mode, new)
         out = _emit(graph, item, aten.reshape.default, (item, list(b.shape)), mode, new)
         cursor = out
-        if any(u.op == "output" for u in b.wait.users):  # no new aliasing between outputs
+        if _storage(b.wait) in output_storages:  # no new aliasing between graph outputs
             out = cursor = _emit(graph, out, aten.clone.default, (out,), mode, new)
         b.wait.replace_all_uses_with(out)
         graph.erase_node(b.wait)
         graph.erase_node(b.collective)
-    base = order[anchor]
+    base = priority[anchor]
     for j, n in enumerate(new):
         priority[n] = base + (j + 1) / (len(new) + 1)
     return fused
@@ -136,8 +144,13 @@ def bucket_pass(gm: GraphModule, *, cfg: Config) -> PassResult:
         return result
     mode = fake_mode_of(analysis.order)
     priority = {n: float(i) for n, i in analysis.order.items()}
+    output = next(iter(reversed(gm.graph.nodes)))
+    output_storages = {_storage(n) for n in output.all_input_nodes} - {None}
     for group in plan:
-        fused = _fuse(gm, group, analysis.order, mode, priority)
+        first = min(analysis.order[i.block.collective] for i in group)
+        floor = max((b for b in analysis.barriers if analysis.order[b] < first),
+                    key=analysis.order.__getitem__, default=None)
+        fused = _fuse(gm, group, floor, mode, priority, output_storages)
         result.buckets.append(Bucket(
             members=[i.block.collective.name for i in group],
             nbytes=sum(i.block.nbytes for i in group),

@@ -23,7 +23,6 @@ from fxcoalesce.collectives import ALL_REDUCE, ALL_REDUCE_, WAIT
 from fxcoalesce.meta import propagate_val
 
 aten = torch.ops.aten
-c10d = torch.ops._c10d_functional
 
 
 class GraphBuilder:

@@ -282,10 +282,7 @@ def build_dag(ops) -> GraphModule:
     vals = [b.input(n) for n in ("x", "y", "w")]
     for kind, i, j in ops:
         if kind == "ar":
-            # AR directly on another AR's wait hits a known bucket bug (see
-            # test_bucket_pass.py::test_all_reduce_of_a_fused_wait); go through an add
-            src = vals[i] if vals[i].target is not WAIT else b.add(vals[i], vals[i])
-            vals.append(b.all_reduce(src))
+            vals.append(b.all_reduce(vals[i]))  # may read another AR's wait directly
         else:
             vals.append(b.mm(vals[i], vals[j]) if kind == "mm" else b.add(vals[i], vals[j]))
     sinks = [v for v in vals[3:] if not v.users] or vals[-1:]

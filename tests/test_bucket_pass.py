@@ -194,8 +194,6 @@ def test_inplace_members_are_fused():
     assert same_values(gm, out)
 
 
-@pytest.mark.xfail(strict=True, reason="collectives: an all_reduce_ whose input has a view "
-                   "read later is accepted as a block; fusing drops the mutation the view sees")
 def test_inplace_member_seen_through_a_view():
     b = GraphBuilder()
     x, y = b.input("x"), b.input("y")
@@ -266,8 +264,6 @@ def test_merge_after_barrier_stays_after_it():
     assert same_values(gm, out)
 
 
-@pytest.mark.xfail(strict=True, reason="bucket: fused collective anchored at the last "
-                   "member's input, which may precede a barrier the members follow")
 def test_merge_never_crosses_a_barrier():
     """Two all_reduces after a copy_ into y, on inputs defined before it (y itself)."""
     b = GraphBuilder()
@@ -284,8 +280,6 @@ def test_merge_never_crosses_a_barrier():
     assert same_values(gm, out)
 
 
-@pytest.mark.xfail(strict=True, reason="bucket: CommBlock.input is stale after an earlier "
-                   "fusion erased the wait it points to (KeyError in reorder)")
 def test_all_reduce_of_a_fused_wait():
     """AR3 = AR(wait of AR1), AR4 = AR(wait of AR2): levels {1, 1}, {2, 2}."""
     b = GraphBuilder()
@@ -310,8 +304,6 @@ def test_fused_graph_outputs_do_not_alias():
     assert not shares_storage(r1, r2)
 
 
-@pytest.mark.xfail(strict=True, reason="bucket: clones only outputs that are the wait itself, "
-                   "not outputs that are views of it")
 def test_fused_graph_outputs_through_views_do_not_alias():
     b = GraphBuilder()
     x, y = b.input("x"), b.input("y")

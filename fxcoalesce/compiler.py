@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import copy
 import hashlib
 from collections.abc import Callable
 from pathlib import Path
@@ -84,9 +85,10 @@ def source_fingerprint(files: list[Path] | None = None) -> str:
 
 def replace_graph(dst: Graph, src: Graph) -> None:
     """Make ``dst`` hold a copy of ``src`` (Inductor hands custom passes a graph to mutate)."""
+    meta = copy.copy(next(reversed(dst.nodes)).meta)  # Inductor's facts about the outputs
     for n in reversed(list(dst.nodes)):
         dst.erase_node(n)
-    dst.output(dst.graph_copy(src, {}))
+    dst.output(dst.graph_copy(src, {})).meta = meta
 
 
 class FxCoalescePass(CustomGraphPass):
