@@ -132,6 +132,14 @@ def parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="EAGLE-3 speculative decoding with the verify step "
                                     "compiled through fxcoalesce")
+    d.add_argument("--model", default="kimi-k2-tiny")
+    d.add_argument("--tp", type=int, default=2, help="ranks (gloo processes on CPU)")
+    d.add_argument("--tokens", type=int, default=32, help="new tokens to generate")
+    d.add_argument("--backend", choices=["gloo", "nccl"],
+                   help="default: gloo on CPU, nccl with --device cuda and >= 2 GPUs")
+    d.add_argument("--codegen", default="inductor", choices=["inductor", "eager"])
+    d.add_argument("--hand-merged", action="store_true")
+    d.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     d.set_defaults(fn=cmd_demo)
     return p
 

@@ -12,7 +12,7 @@ from types import ModuleType
 
 import torch
 
-FAMILIES = ("transformer",)
+FAMILIES = ("transformer", "deepseek")
 
 
 def _family_modules() -> list[ModuleType]:

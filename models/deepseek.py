@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .eagle3 import Tree, tree_verify_inputs, verify_step
 from .tp import (
     Group,
     VocabParallelEmbedding,
@@ -76,9 +77,10 @@ class MoEArgs:
     """Default KV cache length for setup_cache."""
     max_batch_size: int = 8
     """Default KV cache batch size for setup_cache."""
-    eagle_layers: tuple[int, ...] = ()
-    """Three layers whose input hidden states forward() returns for EAGLE-3; () means the
-    EAGLE-3 default (2, L // 2, L - 3), clipped to [0, L) and sorted."""
+    eagle_layers: tuple[int, ...] | None = None
+    """Three layers whose input hidden states forward() returns for EAGLE-3; None: the EAGLE-3
+    default (2, L // 2, L - 3) clipped to [0, L), so replace(args, n_layers=...) keeps working.
+    ``capture_layers`` is the resolved tuple."""
     hand_merged: bool = False
     """Sum shared and routed expert outputs before one all_reduce (vLLM/SGLang's hand merge)."""
 
@@ -108,13 +110,18 @@ class MoEArgs:
         if self.n_activated_experts > self.n_limited_groups * per_group:
             raise ValueError(f"n_activated_experts ({self.n_activated_experts}) exceeds the "
                              f"{self.n_limited_groups * per_group} experts in the allowed groups")
-        if not self.eagle_layers:
-            L = self.n_layers
-            object.__setattr__(self, "eagle_layers",
-                               tuple(sorted(min(max(i, 0), L - 1) for i in (2, L // 2, L - 3))))
-        if len(self.eagle_layers) != 3 or not all(0 <= i < self.n_layers for i in self.eagle_layers):
-            raise ValueError(f"eagle_layers {self.eagle_layers} must be 3 layer indices in "
-                             f"[0, {self.n_layers}); pass eagle_layers=() for the default")
+        layers = self.capture_layers
+        if len(layers) != 3 or not all(0 <= i < self.n_layers for i in layers):
+            raise ValueError(f"eagle_layers {layers} must be 3 layer indices in "
+                             f"[0, {self.n_layers}); pass eagle_layers=None for the default")
+
+    @property
+    def capture_layers(self) -> tuple[int, ...]:
+        """The layers whose input hidden states are captured, in concatenation order."""
+        if self.eagle_layers is not None:
+            return tuple(self.eagle_layers)
+        L = self.n_layers
+        return tuple(sorted(min(max(i, 0), L - 1) for i in (2, L // 2, L - 3)))
 
 
 _FULL = dict(dim=7168, inter_dim=18432, moe_inter_dim=2048, n_layers=61, n_shared_experts=1,
@@ -146,7 +153,8 @@ def rope_rotation(input_pos: torch.Tensor, dim: int, theta: float) -> torch.Tens
     Plain RoPE: the checkpoints' YaRN context extension (frequency ramp and the mscale factor
     on the softmax scale) only changes these constants, not the graph, so it is left out.
     """
-    inv_freq = theta ** -(torch.arange(0, dim, 2, device=input_pos.device, dtype=torch.float32) / dim)
+    even = torch.arange(0, dim, 2, device=input_pos.device, dtype=torch.float32)
+    inv_freq = theta ** -(even / dim)
     angles = input_pos.float()[:, None] * inv_freq  # [S, dim/2]
     cos, sin = angles.cos(), angles.sin()
     return torch.stack([cos, -sin, sin, cos], -1).unflatten(-1, (2, 2))
@@ -176,7 +184,6 @@ class MLA(nn.Module):
         self.n_local_heads = args.n_heads
         self.nope, self.rope, self.v = args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim
         self.kv_lora_rank = args.kv_lora_rank
-        self.rope_theta = args.rope_theta
         qk_head_dim = self.nope + self.rope
         if args.q_lora_rank:
             self.wq_a = nn.Linear(args.dim, args.q_lora_rank, bias=False)
@@ -195,7 +202,8 @@ class MLA(nn.Module):
     def query(self, x: torch.Tensor) -> torch.Tensor:  # [B, S, H] -> [B, S, h * qk_head_dim]
         return self.wq_b(self.q_norm(self.wq_a(x))) if hasattr(self, "wq_a") else self.wq(x)
 
-    def forward(self, x, rot, cache_pos, mask):  # x [B, S, H], rot [S, r/2, 2, 2], mask [B|1, 1, S, T]
+    def forward(self, x, rot, cache_pos, mask):
+        """x [B, S, H], rot [S, r/2, 2, 2], cache_pos [S], mask [B|1, 1, S, T] -> [B, S, H]"""
         B, S, _ = x.shape
         h, c = self.n_local_heads, self.kv_lora_rank
         kv, k_pe = self.wkv_a(x).split([c, self.rope], -1)  # [B, S, c], [B, S, r]
@@ -206,11 +214,12 @@ class MLA(nn.Module):
         q = self.query(x).view(B * S, h, -1).transpose(0, 1)  # [h, BS, nope + r]
         q_nope, q_pe = q.split([self.nope, self.rope], -1)
         wkv_b = self.wkv_b.weight.view(h, self.nope + self.v, c)
-        q_lat = torch.cat([torch.bmm(q_nope, wkv_b[:, : self.nope]),  # [h, BS, c]
-                           apply_rope(q_pe.view(h, B, S, -1), rot).flatten(1, 2)], -1)  # [h, BS, c + r]
+        q_pe = apply_rope(q_pe.view(h, B, S, -1), rot).flatten(1, 2)  # [h, BS, r]
+        q_lat = torch.cat([torch.bmm(q_nope, wkv_b[:, : self.nope]), q_pe], -1)  # [h, BS, c + r]
         q_lat = q_lat.view(h, B, S, -1).transpose(0, 1).reshape(B, h * S, -1)  # [B, hS, c + r]
         scores = torch.bmm(q_lat, cache.transpose(1, 2)).view(B, h, S, -1) * self.softmax_scale
-        scores = scores.masked_fill(~mask, float("-inf")).softmax(-1, dtype=_acc(x.dtype)).type_as(x)
+        scores = scores.masked_fill(~mask, float("-inf"))
+        scores = scores.softmax(-1, dtype=_acc(x.dtype)).type_as(x)
         out = torch.bmm(scores.view(B, h * S, -1), cache[..., :c])  # [B, hS, c]
         out = out.view(B, h, S, c).transpose(0, 1).reshape(h, B * S, c)
         out = torch.bmm(out, wkv_b[:, -self.v :].transpose(1, 2))  # [h, BS, v]
@@ -266,14 +275,16 @@ def experts_gathered(x, w1, w2, w3, ids, weights):
     T * K < local experts (decode). x [T, H], w1/w3 [E, F, H], w2 [E, H, F], ids/weights [T, K]."""
     T, K = ids.shape
     xs = x[:, :, None]  # [T, H, 1]
-    h = (F.silu(torch.bmm(w1[ids].flatten(1, 2), xs)) * torch.bmm(w3[ids].flatten(1, 2), xs))  # [T, KF, 1]
+    gate = torch.bmm(w1[ids].flatten(1, 2), xs)  # [T, KF, 1]
+    h = F.silu(gate) * torch.bmm(w3[ids].flatten(1, 2), xs)
     h = h.view(T * K, -1, 1) * weights.reshape(T * K, 1, 1)  # [TK, F, 1]
     return torch.bmm(w2[ids].flatten(0, 1), h).view(T, K, -1).sum(1)  # [T, H]
 
 
 def experts_dense(x, w1, w2, w3, combine):
     """Routed output running every local expert on every token, weighted by ``combine`` [T, E]
-    (zero for experts a token did not choose): reads each expert's weights once (prefill, verify)."""
+    (zero for experts a token did not choose): reads each expert's weights once (prefill,
+    verify)."""
     xe = x.expand(w1.shape[0], -1, -1)  # [E, T, H]
     h = F.silu(torch.bmm(xe, w1.transpose(1, 2))) * torch.bmm(xe, w3.transpose(1, 2))  # [E, T, F]
     return torch.bmm(h * combine.t()[..., None], w2.transpose(1, 2)).sum(0)  # [T, H]
@@ -304,7 +315,8 @@ class MoE(nn.Module):
             return experts_gathered(x, self.w1, self.w2, self.w3,
                                     local.clamp(0, n_local - 1), weights * on_rank)
         combine = torch.zeros(x.shape[0], self.gate.weight.shape[0], dtype=x.dtype, device=x.device)
-        combine = combine.scatter(1, ids, weights)[:, self.expert_start : self.expert_start + n_local]
+        combine = combine.scatter(1, ids, weights)  # [T, E], zero where not chosen
+        combine = combine[:, self.expert_start : self.expert_start + n_local]
         return experts_dense(x, self.w1, self.w2, self.w3, combine)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, S, H]
@@ -317,6 +329,8 @@ class MoE(nn.Module):
 
 
 class Block(nn.Module):
+    """Pre-norm block: MLA, then a dense MLP (first n_dense_layers blocks) or MoE."""
+
     def __init__(self, layer_id: int, args: MoEArgs):
         super().__init__()
         self.attn = MLA(args)
@@ -330,6 +344,9 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
+    """Vocab-parallel embedding, blocks, final norm, column-parallel head; forward also returns
+    the hidden states EAGLE-3 drafts from."""
+
     def __init__(self, args: MoEArgs):
         super().__init__()
         self.args = args
@@ -340,33 +357,35 @@ class Transformer(nn.Module):
         self.group: Group = None
 
     def setup_cache(self, max_batch_size: int | None = None, max_seq_len: int | None = None,
-                    dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
+                    dtype: torch.dtype | None = None,
+                    device: torch.device | str | None = None) -> None:
         """Allocate each layer's latent cache [B, T, kv_lora_rank + qk_rope_head_dim] (zeros);
         defaults come from args and the weights."""
         B = max_batch_size or self.args.max_batch_size
         T = max_seq_len or self.args.max_seq_len
         dtype = dtype or self.head.weight.dtype
         device = device or self.head.weight.device
+        width = self.args.kv_lora_rank + self.args.qk_rope_head_dim
         for layer in self.layers:
-            layer.attn.kv_cache = torch.zeros(B, T, self.args.kv_lora_rank + self.args.qk_rope_head_dim,
-                                              dtype=dtype, device=device)
+            layer.attn.kv_cache = torch.zeros(B, T, width, dtype=dtype, device=device)
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, cache_pos: torch.Tensor,
                 mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens [B, S]; input_pos [S] RoPE positions; cache_pos [S] KV slots to write;
         mask [B|1, 1, S, T] bool (True: may attend) -> logits [B, S, V], hidden [B, S, 3H]
-        (the hidden states entering layers ``args.eagle_layers``)."""
+        (the hidden states entering layers ``args.capture_layers``)."""
         if self.layers[0].attn.kv_cache is None:
             raise RuntimeError("KV cache missing: call model.setup_cache() before forward")
         h = self.embed(tokens)  # [B, S, H]
-        rot = rope_rotation(input_pos, self.args.qk_rope_head_dim, self.args.rope_theta).to(_acc(h.dtype))
-        captured = {}
+        rot = rope_rotation(input_pos, self.args.qk_rope_head_dim, self.args.rope_theta)
+        rot = rot.to(_acc(h.dtype))  # [S, r/2, 2, 2]
+        capture, captured = self.args.capture_layers, {}
         for i, layer in enumerate(self.layers):
-            if i in self.args.eagle_layers:
+            if i in capture:
                 captured[i] = h
             h = layer(h, rot, cache_pos, mask)
         logits = all_gather_last_dim(self.head(self.norm(h)), self.group)  # [B, S, V]
-        return logits, torch.cat([captured[i] for i in self.args.eagle_layers], -1)
+        return logits, torch.cat([captured[i] for i in capture], -1)
 
 
 def apply_tp(model: Transformer, group: Group) -> Transformer:
@@ -428,8 +447,9 @@ def init_weights_(model: nn.Module, seed: int, dtype: torch.dtype) -> None:
             setattr(module, name, nn.Parameter(new))
 
 
-def build(name_or_args: str | MoEArgs, *, hand_merged: bool = False, dtype: torch.dtype = torch.float32,
-          device: torch.device | str | None = None, seed: int = 0) -> Transformer:
+def build(name_or_args: str | MoEArgs, *, hand_merged: bool = False,
+          dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+          seed: int = 0) -> Transformer:
     """Unsharded model with deterministic weights. Full-size configs (~1T parameters for
     kimi-k2) must be built inside ``FakeTensorMode``."""
     if isinstance(name_or_args, str):
@@ -441,3 +461,27 @@ def build(name_or_args: str | MoEArgs, *, hand_merged: bool = False, dtype: torc
         model = Transformer(args)
     init_weights_(model, seed, dtype)
     return model
+
+
+def make_step(model: Transformer, step: str, tokens: int, prefix: int = 64):
+    """(callable, example args) for the fxcoalesce CLI and benches, after setting up a KV cache
+    of ``prefix + tokens`` slots; the callable maps (tokens, input_pos, cache_pos, mask) to
+    logits [1, tokens, V] (the EAGLE hidden states are dropped: they add no collective).
+    "forward": prefill of ``tokens`` tokens. "verify": EAGLE-3 verification of a binary tree of
+    ``tokens`` nodes after ``prefix`` cached tokens (tree mask, positions prefix + depth)."""
+    model.setup_cache(1, prefix + tokens)
+    if step == "forward":
+        input_pos = cache_pos = torch.arange(tokens)
+        mask = causal_mask(cache_pos, prefix + tokens)
+    elif step == "verify":
+        parents = [-1] + [(i - 1) // 2 for i in range(1, tokens)]
+        tree = Tree.from_parents(torch.zeros(tokens, dtype=torch.long), parents)
+        input_pos, cache_pos, mask = tree_verify_inputs(tree, prefix, prefix + tokens)
+    else:
+        raise ValueError(f"{type(model).__name__} models support steps 'forward' and 'verify', "
+                         f"not {step!r}")
+
+    def logits_of(tokens, input_pos, cache_pos, mask):
+        return verify_step(model, tokens, input_pos, cache_pos, mask)[0]
+
+    return logits_of, (torch.zeros(1, tokens, dtype=torch.long), input_pos, cache_pos, mask)

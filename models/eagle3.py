@@ -44,7 +44,8 @@ class DraftArgs:
 
     def __post_init__(self) -> None:
         if self.dim % self.n_heads or (self.dim // self.n_heads) % 2:
-            raise ValueError(f"n_heads ({self.n_heads}) must divide dim ({self.dim}) into even head dims")
+            raise ValueError(f"n_heads ({self.n_heads}) must divide dim ({self.dim}) into even "
+                             f"head dims")
         if not 1 <= self.draft_vocab <= self.target_vocab:
             raise ValueError(f"draft_vocab ({self.draft_vocab}) must be in [1, target_vocab "
                              f"({self.target_vocab})]")
@@ -52,9 +53,9 @@ class DraftArgs:
     @classmethod
     def for_target(cls, target_args, *, draft_vocab: int | None = None) -> DraftArgs:
         """Draft sized like the target (``dim``, ``n_heads``, ``inter_dim``, ``vocab`` fields)."""
-        return cls(dim=target_args.dim, n_heads=target_args.n_heads, inter_dim=target_args.inter_dim,
-                   draft_vocab=draft_vocab or target_args.vocab, target_vocab=target_args.vocab,
-                   norm_eps=target_args.norm_eps)
+        return cls(dim=target_args.dim, n_heads=target_args.n_heads,
+                   inter_dim=target_args.inter_dim, draft_vocab=draft_vocab or target_args.vocab,
+                   target_vocab=target_args.vocab, norm_eps=target_args.norm_eps)
 
 
 def check_d2t(d2t: torch.Tensor, draft_vocab: int, target_vocab: int) -> None:
@@ -126,21 +127,22 @@ class Eagle3Draft(nn.Module):
         """tokens [1, S] target ids; hidden [1, S, H] (``fc`` of the target's 3H states, or the
         draft's own output); mask [1, 1, S, T] -> draft logits [1, S, Vd], hidden [1, S, H]."""
         B, S, H = hidden.shape
-        x = torch.cat([self.embed_norm(self.embed(tokens)), self.hidden_norm(hidden)], -1)  # [B, S, 2H]
+        x = torch.cat([self.embed_norm(self.embed(tokens)), self.hidden_norm(hidden)], -1)  # 2H
         q, k, v = (w(x).view(B, S, self.args.n_heads, -1) for w in (self.wq, self.wk, self.wv))
-        q, k = rope_half(q, input_pos, self.args.rope_theta), rope_half(k, input_pos, self.args.rope_theta)
+        q, k = (rope_half(t, input_pos, self.args.rope_theta) for t in (q, k))
         self.k_cache.index_copy_(1, cache_pos, k)
         self.v_cache.index_copy_(1, cache_pos, v)
-        attn = F.scaled_dot_product_attention(q.transpose(1, 2), self.k_cache.transpose(1, 2),
-                                              self.v_cache.transpose(1, 2), attn_mask=mask)  # [B, h, S, d]
+        k_all, v_all = self.k_cache.transpose(1, 2), self.v_cache.transpose(1, 2)  # [B, h, T, d]
+        attn = F.scaled_dot_product_attention(q.transpose(1, 2), k_all, v_all, attn_mask=mask)
         h = hidden + self.wo(attn.transpose(1, 2).flatten(2))
         x = self.ffn_norm(h)
         h = h + self.w2(F.silu(self.w1(x)) * self.w3(x))
         return self.lm_head(self.norm(h)), h
 
 
-def build_draft(args: DraftArgs, *, d2t: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
-                device: torch.device | str | None = None, seed: int = 0) -> Eagle3Draft:
+def build_draft(args: DraftArgs, *, d2t: torch.Tensor | None = None,
+                dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+                seed: int = 0) -> Eagle3Draft:
     """Draft with seeded N(0, 1/fan_in) matrices (norm weights 1)."""
     draft = Eagle3Draft(args, d2t).to(device)
     gen = torch.Generator(device=draft.fc.weight.device).manual_seed(seed)
@@ -166,8 +168,10 @@ class Tree:
 
     @classmethod
     def from_parents(cls, tokens: torch.Tensor, parents: Sequence[int]) -> Tree:
+        """The tree with node i's parent ``parents[i]`` and token ``tokens[i]``."""
         N = len(parents)
-        if tokens.shape != (N,) or parents[0] != -1 or any(not 0 <= p < i for i, p in enumerate(parents[1:], 1)):
+        ordered = all(0 <= p < i for i, p in enumerate(parents[1:], 1))
+        if tokens.shape != (N,) or parents[0] != -1 or not ordered:
             raise ValueError("a tree needs tokens [N] and parents[0] == -1, 0 <= parents[i] < i")
         depth, mask, paths = [0], torch.eye(N, dtype=torch.bool), [[0]]
         for i, p in enumerate(parents[1:], 1):
@@ -202,8 +206,9 @@ def visible_mask(prefix_len: int, block: torch.Tensor, cache_len: int) -> torch.
     prefix and, among themselves, what ``block`` [n, n] allows."""
     n = block.shape[0]
     if prefix_len + n > cache_len:
-        raise ValueError(f"{prefix_len} cached + {n} new tokens exceed the KV cache of {cache_len} "
-                         f"slots; call setup_cache with a larger max_seq_len or generate fewer tokens")
+        raise ValueError(f"{prefix_len} cached + {n} new tokens exceed the KV cache of "
+                         f"{cache_len} slots; call setup_cache with a larger max_seq_len or "
+                         f"generate fewer tokens")
     mask = torch.zeros(n, cache_len, dtype=torch.bool, device=block.device)
     mask[:, :prefix_len] = True
     mask[:, prefix_len : prefix_len + n] = block
@@ -212,7 +217,8 @@ def visible_mask(prefix_len: int, block: torch.Tensor, cache_len: int) -> torch.
 
 def tree_verify_inputs(tree: Tree, prefix_len: int, cache_len: int):
     """(input_pos [N], cache_pos [N], mask [1, 1, N, cache_len]) for verifying ``tree``."""
-    cache_pos = torch.arange(prefix_len, prefix_len + tree.tokens.shape[0], device=tree.tokens.device)
+    N = tree.tokens.shape[0]
+    cache_pos = torch.arange(prefix_len, prefix_len + N, device=tree.tokens.device)
     return prefix_len + tree.depth, cache_pos, visible_mask(prefix_len, tree.mask, cache_len)
 
 
@@ -235,21 +241,23 @@ def draft_tree(draft: Eagle3Draft, tokens: torch.Tensor, hidden: torch.Tensor, p
     are kept with the root.
     """
     n, T = tokens.shape[0], draft.k_cache.shape[1]
-    if top_k > draft.args.draft_vocab or not 1 < total_tokens <= 1 + top_k + (depth - 1) * top_k**2:
-        raise ValueError(f"total_tokens ({total_tokens}) must be in [2, {1 + top_k + (depth - 1) * top_k**2}] "
-                         f"for top_k={top_k}, depth={depth} (and top_k <= draft_vocab)")
+    most = 1 + top_k + (depth - 1) * top_k**2  # root + every drafted node
+    if top_k > draft.args.draft_vocab or not 1 < total_tokens <= most:
+        raise ValueError(f"total_tokens ({total_tokens}) must be in [2, {most}] for top_k={top_k}, "
+                         f"depth={depth} (and top_k <= draft_vocab)")
     if prefix_len + (depth - 1) * top_k > T:
         raise ValueError(f"the draft KV cache ({T}) cannot hold {prefix_len} tokens plus the tree; "
                          f"call draft.setup_cache with a larger max_seq_len")
     dev = tokens.device
     pos = torch.arange(prefix_len - n, prefix_len, device=dev)
     causal = torch.ones(n, n, dtype=torch.bool, device=dev).tril()
-    logits, out = draft(tokens[None], draft.fc(hidden[None]), pos, pos, visible_mask(prefix_len - n, causal, T))
+    mask = visible_mask(prefix_len - n, causal, T)
+    logits, out = draft(tokens[None], draft.fc(hidden[None]), pos, pos, mask)
     scores, ids = logits[0, -1].log_softmax(-1).topk(top_k)  # [k]
     pool_ids, pool_scores, pool_parents = [ids], [scores], [torch.full((top_k,), -1, device=dev)]
     frontier = torch.arange(top_k, device=dev)  # pool indices of the nodes to expand
     frontier_hidden = out[0, -1].expand(top_k, -1)  # [k, H] draft state of their parents
-    ancestors: list[list[int]] = [[] for _ in range(top_k)]  # draft cache slots of expanded ancestors
+    ancestors: list[list[int]] = [[] for _ in range(top_k)]  # their ancestors' draft cache slots
     for d in range(1, depth):
         slots = list(range(prefix_len + (d - 1) * top_k, prefix_len + d * top_k))
         mask = torch.zeros(top_k, T, dtype=torch.bool, device=dev)  # prefix + ancestors + itself
@@ -273,9 +281,9 @@ def draft_tree(draft: Eagle3Draft, tokens: torch.Tensor, hidden: torch.Tensor, p
         ancestors = [ancestors[p] + [slots[p]] for p in parent.tolist()]
     order = torch.sort(torch.cat(pool_scores), descending=True, stable=True).indices
     keep = order[: total_tokens - 1].sort().values.tolist()
-    node_of = {p: i for i, p in enumerate(keep, 1)}
-    pool_parent_list = torch.cat(pool_parents).tolist()
-    parents = [-1] + [0 if pool_parent_list[p] < 0 else node_of[pool_parent_list[p]] for p in keep]
+    node_of = {-1: 0} | {p: i for i, p in enumerate(keep, 1)}  # pool index -> node (-1: root)
+    pool_parent = torch.cat(pool_parents).tolist()
+    parents = [-1] + [node_of[pool_parent[p]] for p in keep]
     keep_t = torch.tensor(keep, device=dev)
     tree_tokens = torch.cat([tokens[-1:], draft.to_target(torch.cat(pool_ids)[keep_t])])
     return Tree.from_parents(tree_tokens, parents)
@@ -332,12 +340,14 @@ def commit_kv(model: nn.Module, prefix_len: int, slots: torch.Tensor) -> int:
     return prefix_len + slots.numel()
 
 
+@torch.no_grad()
 def prefill(target: nn.Module, prompt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Fill the target's cache with ``prompt`` [P] -> (logits [P, V], hidden [P, 3H])."""
     P = prompt.shape[0]
     pos = torch.arange(P, device=prompt.device)
     causal = torch.ones(P, P, dtype=torch.bool, device=prompt.device).tril()
-    logits, hidden = target(prompt[None], pos, pos, visible_mask(0, causal, kv_caches(target)[0].shape[1]))
+    mask = visible_mask(0, causal, kv_caches(target)[0].shape[1])
+    logits, hidden = target(prompt[None], pos, pos, mask)
     return logits[0], hidden[0]
 
 
@@ -370,12 +380,14 @@ class SpecStats:
 
 
 @torch.no_grad()
-def speculative_generate(target: nn.Module, draft: Eagle3Draft, prompt: torch.Tensor, max_new_tokens: int, *,
-                         verify_fn: Callable = verify_step, top_k: int = 8, depth: int = 5,
-                         total_tokens: int = 60, greedy: bool = True, temperature: float = 1.0,
-                         generator: torch.Generator | None = None) -> tuple[torch.Tensor, SpecStats]:
+def speculative_generate(target: nn.Module, draft: Eagle3Draft, prompt: torch.Tensor,
+                         max_new_tokens: int, *, verify_fn: Callable = verify_step, top_k: int = 8,
+                         depth: int = 5, total_tokens: int = 60, greedy: bool = True,
+                         temperature: float = 1.0, generator: torch.Generator | None = None,
+                         ) -> tuple[torch.Tensor, SpecStats]:
     """EAGLE-3 decoding: prompt [P] -> (new tokens [max_new_tokens], stats). Every verify has
-    exactly ``total_tokens`` tokens, so a compiled ``verify_fn`` compiles once."""
+    exactly ``total_tokens`` tokens, so a compiled ``verify_fn`` compiles once. Under TP every
+    rank runs this with the same draft weights (and the same ``generator`` seed if sampling)."""
     T, P = kv_caches(target)[0].shape[1], prompt.shape[0]
     if P + max_new_tokens + total_tokens > T:
         raise ValueError(f"prompt ({P}) + max_new_tokens ({max_new_tokens}) + total_tokens "
@@ -392,8 +404,9 @@ def speculative_generate(target: nn.Module, draft: Eagle3Draft, prompt: torch.Te
     root = pick(logits[-1]).view(1)
     out, L, stats = [root], P, SpecStats([])
     tokens = torch.cat([prompt[1:], root])  # pairs (x_{j+1}, h_j) the draft has not seen
-    while sum(map(len, out)) < max_new_tokens:
-        tree = draft_tree(draft, tokens, hidden, L, top_k=top_k, depth=depth, total_tokens=total_tokens)
+    while sum(stats.accepted) + 1 < max_new_tokens:
+        tree = draft_tree(draft, tokens, hidden, L, top_k=top_k, depth=depth,
+                          total_tokens=total_tokens)
         input_pos, cache_pos, mask = tree_verify_inputs(tree, L, T)
         logits, tree_hidden = verify_fn(target, tree.tokens[None], input_pos, cache_pos, mask)
         if greedy:

@@ -64,7 +64,8 @@ def all_gather_last_dim(x: torch.Tensor, group: Group) -> torch.Tensor:
     if group is None:
         return x
     world = dist.get_world_size(group)
-    gathered = funcol.all_gather_tensor(x.contiguous(), 0, group)  # [world * d0, ...]
+    gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor  # torch 2.11
+    gathered = gather(x.contiguous(), 0, group)  # [world * d0, ...]
     return torch.cat(gathered.chunk(world, dim=0), dim=-1)
 
 
