@@ -16,8 +16,8 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from models import deepseek as ds
-from models.eagle3 import Tree, tree_verify_inputs, verify_step
+from fxcoalesce.models import deepseek as ds
+from fxcoalesce.models.eagle3 import Tree, tree_verify_inputs, verify_step
 
 TINY = ds.CONFIGS["kimi-k2-tiny"]
 ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default

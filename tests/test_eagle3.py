@@ -1,19 +1,18 @@
 """EAGLE-3: tree bookkeeping, acceptance rules, KV commit, and speculative decoding that
 reproduces the target's own greedy tokens at TP 1 and over 2 gloo ranks."""
 
-import os
-import socket
 from dataclasses import replace
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-from models import deepseek as ds
-from models import eagle3 as e3
+import fxcoalesce
+from fxcoalesce.distributed import spawn
+from fxcoalesce.models import deepseek as ds
+from fxcoalesce.models import eagle3 as e3
 
 # a 32-token vocabulary lets the random draft hit the target often enough to accept long paths
 SMALL_VOCAB = replace(ds.CONFIGS["kimi-k2-tiny"], vocab=32)
@@ -228,13 +227,10 @@ def test_draft_tree_shape_and_determinism():
 
 def test_speculative_greedy_equals_greedy_compiled_verify():
     torch._dynamo.reset()
-    graphs = []
-
-    def eager_counting(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    verify = torch.compile(e3.verify_step, backend=eager_counting, fullgraph=True)
+    graphs = []  # the verify step goes through the fxcoalesce pipeline (Python codegen)
+    be = fxcoalesce.backend(fxcoalesce.Config(codegen="eager", strict=True),
+                            on_graph=lambda before, after, report: graphs.append(report))
+    verify = torch.compile(e3.verify_step, backend=be, fullgraph=True)
     target, draft = make_pair()
     want = e3.greedy_generate(target, PROMPT, 40)
     draft = hinted_draft(draft, torch.cat([PROMPT, want]))
@@ -271,35 +267,29 @@ def test_speculative_rejects_too_long_generation():
         e3.speculative_generate(target, draft, PROMPT, 50, total_tokens=16, top_k=4, depth=4)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _tp2_generate_worker(rank: int, port: int, out_dir: str) -> None:
+def _tp2_generate_worker(rank: int, world: int) -> dict:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        target, draft = make_pair()
-        tp1 = e3.greedy_generate(target, PROMPT, 32)
-        draft = hinted_draft(draft, torch.cat([PROMPT, tp1]))
-        ds.apply_tp(target, dist.group.WORLD)
-        tp2 = e3.greedy_generate(target, PROMPT, 32)
-        verify = torch.compile(e3.verify_step, backend="eager", fullgraph=True)
-        spec, stats = e3.speculative_generate(target, draft, PROMPT, 32, verify_fn=verify,
-                                              top_k=4, depth=4, total_tokens=16)
-        torch.save(dict(tp1=tp1, tp2=tp2, spec=spec, accepted=stats.accepted),
-                   os.path.join(out_dir, f"{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    target, draft = make_pair()
+    tp1 = e3.greedy_generate(target, PROMPT, 32)
+    draft = hinted_draft(draft, torch.cat([PROMPT, tp1]))
+    ds.apply_tp(target, dist.group.WORLD)
+    tp2 = e3.greedy_generate(target, PROMPT, 32)
+    reports = []
+    be = fxcoalesce.backend(fxcoalesce.Config(codegen="eager", strict=True),
+                            on_graph=lambda before, after, report: reports.append(report))
+    verify = torch.compile(e3.verify_step, backend=be, fullgraph=True)
+    spec, stats = e3.speculative_generate(target, draft, PROMPT, 32, verify_fn=verify,
+                                          top_k=4, depth=4, total_tokens=16)
+    return dict(tp1=tp1.tolist(), tp2=tp2.tolist(), spec=spec.tolist(),
+                accepted=stats.accepted, all_reduce=reports[0].all_reduce)
 
 
-def test_speculative_greedy_tp2_gloo(tmp_path):
-    mp.spawn(_tp2_generate_worker, args=(free_port(), str(tmp_path)), nprocs=2)
-    ranks = [torch.load(tmp_path / f"{r}.pt") for r in range(2)]
+def test_speculative_greedy_tp2_gloo():
+    ranks = spawn(_tp2_generate_worker, 2, backend="gloo")
     for r in ranks:
-        assert torch.equal(r["tp2"], r["tp1"]) and torch.equal(r["spec"], r["tp1"])
+        assert r["tp2"] == r["tp1"] and r["spec"] == r["tp1"]
         assert max(r["accepted"]) >= 3
-    assert torch.equal(ranks[0]["spec"], ranks[1]["spec"])
+        # shared + routed experts of each MoE layer fused: 1 + 4 + 1 + 3·2 = 12 -> 9
+        assert r["all_reduce"]["before"] == 12 and r["all_reduce"]["after"] == 9
+    assert ranks[0]["spec"] == ranks[1]["spec"]
     assert ranks[0]["accepted"] == ranks[1]["accepted"]
