@@ -85,7 +85,7 @@ def source_fingerprint(files: list[Path] | None = None) -> str:
 
 def replace_graph(dst: Graph, src: Graph) -> None:
     """Make ``dst`` hold a copy of ``src`` (Inductor hands custom passes a graph to mutate)."""
-    meta = copy.copy(next(reversed(dst.nodes)).meta)  # Inductor's facts about the outputs
+    meta = copy.copy(next(iter(reversed(dst.nodes))).meta)  # Inductor's facts about the outputs
     for n in reversed(list(dst.nodes)):
         dst.erase_node(n)
     dst.output(dst.graph_copy(src, {})).meta = meta

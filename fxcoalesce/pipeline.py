@@ -24,7 +24,7 @@ def copy_graph_module(gm: GraphModule) -> GraphModule:
     graph = Graph()
     out = graph.graph_copy(gm.graph, {})
     # Inductor keeps facts on the output node (user-visible outputs and their strides)
-    graph.output(out).meta = copy.copy(next(reversed(gm.graph.nodes)).meta)
+    graph.output(out).meta = copy.copy(next(iter(reversed(gm.graph.nodes))).meta)
     return GraphModule(gm, graph)
 
 

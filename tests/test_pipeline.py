@@ -150,18 +150,18 @@ def test_custom_pass_mutates_graph_in_place():
 
 def test_pipeline_keeps_output_node_meta():
     gm = diamond()
-    out_node = next(reversed(gm.graph.nodes))
+    out_node = next(iter(reversed(gm.graph.nodes)))
     out_node.meta["user_visible_output_idxs"] = [0]
     new, _ = run_pipeline(gm, Config(strict=True))
     # Inductor reads this to keep user-visible output strides
-    assert next(reversed(new.graph.nodes)).meta.get("user_visible_output_idxs") == [0]
+    assert next(iter(reversed(new.graph.nodes))).meta.get("user_visible_output_idxs") == [0]
 
 
 def test_custom_pass_keeps_output_node_meta():
     gm = diamond()
-    next(reversed(gm.graph.nodes)).meta["original_output_strides"] = [(4, 1)]
+    next(iter(reversed(gm.graph.nodes))).meta["original_output_strides"] = [(4, 1)]
     inductor_pass(Config(strict=True))(gm.graph)
-    assert next(reversed(gm.graph.nodes)).meta.get("original_output_strides") == [(4, 1)]
+    assert next(iter(reversed(gm.graph.nodes))).meta.get("original_output_strides") == [(4, 1)]
 
 
 DETERMINISM_SCRIPT = """
