@@ -2,7 +2,7 @@
 # One device-machine call: check the package under the GPU image's torch (2.11), then bench.
 # Usage there: bash benchmarks/gpu_run.sh   (writes its log and JSON results under $OUT)
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/site . || exit 1
+python3 -m pip install -q --upgrade --no-deps --no-build-isolation --target /tmp/site . || exit 1
 export PYTHONPATH=/tmp/site
 R=$PWD; cd /tmp  # import the installed package, not the checkout's folders
 run() { echo "+ $*"; timeout 150 "$@" 2>&1 | grep -v -i "warn\|  verify \|gathered ="; }
