@@ -53,16 +53,22 @@ class Analysis:
 
     @property
     def lower_bound(self) -> int:
-        """Fewest all_reduce launches any exact rewrite can reach (left-alone ones included)."""
-        return sum(self.chains.values()) + len(self.scan.skipped)
+        """Fewest launches any exact rewrite can reach for the analysed all_reduces (the
+        left-alone ones, ``scan.skipped``, are not in it)."""
+        return sum(self.chains.values())
 
     @property
     def all_reduce_count(self) -> int:
+        """All all_reduces of the graph, analysed or left alone."""
         return self.scan.all_reduce_count
 
     @property
+    def analysed_count(self) -> int:
+        return len(self.infos)
+
+    @property
     def at_bound(self) -> bool:
-        return self.all_reduce_count == self.lower_bound
+        return self.analysed_count == self.lower_bound
 
     def levels(self) -> dict[str, int]:
         return {i.block.collective.name: i.level for i in self.infos}
@@ -84,7 +90,10 @@ def _vmax(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def analyze(gm: GraphModule | torch.fx.Graph, scan: CommScan | None = None) -> Analysis:
-    """Levels, windows and the lower bound for every all_reduce of ``gm`` (linear time)."""
+    """Levels, windows and the lower bound for every all_reduce of ``gm`` (linear time).
+
+    Reads ATen graphs (what AOTAutograd hands a backend) and Dynamo-level graphs alike.
+    """
     graph = gm.graph if isinstance(gm, GraphModule) else gm
     scan = scan or find_comm_blocks(graph)
     nodes = list(graph.nodes)

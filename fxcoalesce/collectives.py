@@ -7,6 +7,10 @@ A *comm block* is what a rewrite may move or merge:
     %c    = aten.copy(%buf, %w)                              # optional: torch.distributed
                                                              # .all_reduce remapped by dynamo
 
+Every collective, analysed or not, also takes a place in the graph's *issue sequence*: the
+order in which a rank launches them. Ranks pair collectives by that order, so every pass
+keeps it a function of rank-invariant facts (see ``graph_order.reorder``).
+
 Anything the passes must not touch is reported with a reason instead of raising.
 """
 
@@ -16,7 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.fx import Graph, Node
-from torch.multiprocessing.reductions import StorageWeakRef
+
+from .meta import numel, storage_of, tensor_val
 
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
@@ -33,9 +38,13 @@ OTHER_COLLECTIVES = {
     c10d.all_to_all_single.default: "all_to_all",
     c10d.all_reduce_coalesced.default: "all_reduce_coalesced",
     c10d.all_reduce_coalesced_.default: "all_reduce_coalesced",
+    c10d.broadcast.default: "broadcast",
+    c10d.broadcast_.default: "broadcast",
 }
 COMM_WORDS = ("all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter",
               "all_to_all", "alltoall", "broadcast")
+UNHINTED_SIZE = 4096
+"""Stand-in for a data-dependent size with no hint (bucket-cap decisions only)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,17 +68,22 @@ class CommBlock:
     wait: Node
     input: Node
     key: Key
-    shape: tuple[int, ...]
+    shape: tuple[int | torch.SymInt, ...]
+    """Sizes of the reduced tensor; SymInts under dynamic shapes."""
     nbytes: int
+    """Bytes reduced (size hints for symbolic sizes)."""
     inplace: bool
     copy_back: Node | None
+    ordinal: int
+    """Place of the collective in the graph's issue sequence (rank-invariant)."""
 
     @property
-    def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+    def numel(self) -> int | torch.SymInt:
+        return numel(self.shape)
+
+    @property
+    def symbolic(self) -> bool:
+        return not all(isinstance(s, int) for s in self.shape)
 
 
 @dataclass(slots=True)
@@ -83,38 +97,62 @@ class CommScan:
     """Known collectives that are counted but not rewritten, by kind."""
     unknown: list[tuple[Node, str]] = field(default_factory=list)
     """Opaque nodes that look like communication (custom ops), left alone."""
+    sequence: list[Node] = field(default_factory=list)
+    """Every collective of the graph in node order: the order a rank issues them."""
 
     @property
     def all_reduce_count(self) -> int:
         return len(self.blocks) + len(self.skipped)
 
 
+def op_of(node: Node):
+    """The node's target, with Dynamo-level ``_c10d_functional.x`` packets read as ``x.default``
+    (so :func:`find_comm_blocks` also reads graphs captured before AOTAutograd)."""
+    target = node.target
+    if isinstance(target, torch._ops.OpOverloadPacket) and target._qualified_op_name.startswith(
+            "_c10d_functional::"):
+        return target.default
+    return target
+
+
 def is_all_reduce(node: Node) -> bool:
-    return node.op == "call_function" and node.target in (ALL_REDUCE, ALL_REDUCE_)
+    return node.op == "call_function" and op_of(node) in (ALL_REDUCE, ALL_REDUCE_)
 
 
-def tensor_val(node: object) -> torch.Tensor | None:
-    val = node.meta.get("val") if isinstance(node, Node) else None
-    return val if isinstance(val, torch.Tensor) else None
+def _looks_like_comm(node: Node) -> bool:
+    """An opaque op outside ATen whose name says it communicates (e.g. vllm.all_reduce)."""
+    target = op_of(node)
+    namespace = getattr(target, "namespace", "")
+    if namespace in ("aten", "_c10d_functional") or target in COPIES:
+        return False
+    name = getattr(target, "__name__", None) or str(target)
+    text = f"{namespace}::{name}".lower()
+    return any(w in text for w in COMM_WORDS) or "c10d" in text
 
 
-def static_shape(t: torch.Tensor) -> tuple[int, ...] | None:
-    """The shape as plain ints, or None when any size is symbolic."""
-    if not all(isinstance(s, int) for s in t.shape):
-        return None
-    return tuple(t.shape)
+def is_collective(node: Node) -> bool:
+    """Does running ``node`` launch communication that peers must match (waits excluded)?"""
+    target = op_of(node)
+    if node.op != "call_function" or target is WAIT:
+        return False
+    return (target in (ALL_REDUCE, ALL_REDUCE_) or target in OTHER_COLLECTIVES
+            or getattr(target, "namespace", "") == "_c10d_functional" or _looks_like_comm(node))
+
+
+def size_hint(s: int | torch.SymInt) -> int:
+    """A concrete value for a size: itself, its hint, or ``UNHINTED_SIZE`` when data-dependent."""
+    if isinstance(s, int):
+        return s
+    hint = getattr(s.node, "hint", None)
+    return int(hint) if hint is not None else UNHINTED_SIZE
 
 
 def _arg(node: Node, i: int, name: str):
     return node.args[i] if len(node.args) > i else node.kwargs.get(name)
 
 
-def _storage(node: Node):
-    val = tensor_val(node)
-    return StorageWeakRef(val.untyped_storage()) if val is not None else None
-
-
-def _block_or_reason(node: Node, order: dict[Node, int], sharing: dict) -> CommBlock | str:
+def _block_or_reason(node: Node, ordinal: int, order: dict[Node, int], sharing: dict
+                     ) -> CommBlock | str:
     inp = _arg(node, 0, "input")
     op, group = _arg(node, 1, "reduce_op"), _arg(node, 2, "group_name")
     if not isinstance(inp, Node):
@@ -122,42 +160,32 @@ def _block_or_reason(node: Node, order: dict[Node, int], sharing: dict) -> CommB
     if not isinstance(group, str):
         return f"group {group!r} is not a resolved group name"
     users = list(node.users)
-    if len(users) != 1 or users[0].target is not WAIT:
-        waits = sum(u.target is WAIT for u in users)
+    if len(users) != 1 or op_of(users[0]) is not WAIT:
+        waits = sum(op_of(u) is WAIT for u in users)
         return (f"expected exactly one wait_tensor user inside the graph, found {waits} wait(s) "
                 f"and {len(users) - waits} other user(s)")
     val = tensor_val(inp)
     if val is None:
         return "input has no tensor metadata (meta['val'])"
-    shape = static_shape(val)
-    if shape is None:
-        return f"symbolic size {tuple(val.shape)} (no static hint)"
-    if isinstance(val, torch.Tensor) and val.is_sparse:
+    if val.is_sparse:
         return "sparse input"
-    inplace = node.target is ALL_REDUCE_
+    inplace = op_of(node) is ALL_REDUCE_
     if inplace:
         if inp.op == "placeholder" or val._is_view():
             return "all_reduce_ mutates a graph input or a view; the mutation must stay visible"
         if any(order[u] > order[node] for u in inp.users if u is not node):
             return "all_reduce_ input is read again after the in-place collective"
-        if len(sharing.get(_storage(inp), ())) > 1:
+        if len(sharing.get(storage_of(inp), ())) > 1:
             return "all_reduce_ input shares storage with other tensors (views) of the graph"
     wait = users[0]
     copy_back = next((u for u in wait.users if u.target in COPIES and u.args[1] is wait), None)
-    numel = 1
-    for s in shape:
-        numel *= s
+    shape = tuple(val.shape)
     return CommBlock(
         collective=node, wait=wait, input=inp,
         key=Key(group=group, op=str(op), dtype=val.dtype, device=str(val.device)),
-        shape=shape, nbytes=numel * val.element_size(), inplace=inplace, copy_back=copy_back,
+        shape=shape, nbytes=numel(size_hint(s) for s in shape) * val.element_size(),
+        inplace=inplace, copy_back=copy_back, ordinal=ordinal,
     )
-
-
-def _looks_like_comm(node: Node) -> bool:
-    name = getattr(node.target, "__name__", None) or str(node.target)
-    text = f"{getattr(node.target, 'namespace', '')}::{name}".lower()
-    return any(w in text for w in COMM_WORDS) or "c10d" in text
 
 
 def find_comm_blocks(graph: Graph) -> CommScan:
@@ -165,25 +193,56 @@ def find_comm_blocks(graph: Graph) -> CommScan:
     scan = CommScan()
     order = {n: i for i, n in enumerate(graph.nodes)}
     sharing: dict = {}  # storage -> nodes whose value lives in it (for in-place safety)
-    if any(n.target is ALL_REDUCE_ for n in graph.nodes):
+    if any(op_of(n) is ALL_REDUCE_ for n in graph.nodes):
         for n in graph.nodes:
-            if n.target not in (ALL_REDUCE_, WAIT) and (s := _storage(n)) is not None:
+            if op_of(n) not in (ALL_REDUCE_, WAIT) and (s := storage_of(n)) is not None:
                 sharing.setdefault(s, []).append(n)
     for node in graph.nodes:
-        if node.op != "call_function":
+        if not is_collective(node):
             continue
+        ordinal = len(scan.sequence)
+        scan.sequence.append(node)
         if is_all_reduce(node):
-            found = _block_or_reason(node, order, sharing)
+            found = _block_or_reason(node, ordinal, order, sharing)
             if isinstance(found, CommBlock):
                 scan.blocks.append(found)
             else:
                 scan.skipped.append((node, found))
-        elif node.target in OTHER_COLLECTIVES:
-            kind = OTHER_COLLECTIVES[node.target]
+        elif op_of(node) in OTHER_COLLECTIVES:
+            kind = OTHER_COLLECTIVES[op_of(node)]
             scan.other[kind] = scan.other.get(kind, 0) + 1
-        elif node.target is WAIT or node.target in COPIES:
-            continue
-        elif _looks_like_comm(node):
+        elif getattr(op_of(node), "namespace", "") == "_c10d_functional":
+            kind = op_of(node)._opname
+            scan.other[kind] = scan.other.get(kind, 0) + 1
+        else:
             scan.unknown.append((node, f"opaque op {node.target} looks like communication; "
                                        "fxcoalesce only rewrites _c10d_functional.all_reduce"))
     return scan
+
+
+def group_of(node: Node) -> str | None:
+    """The ``group_name`` argument of a collective, found through its schema (None if absent)."""
+    schema = getattr(op_of(node), "_schema", None)
+    names = [a.name for a in schema.arguments] if schema is not None else []
+    if "group_name" not in names:
+        return None
+    i = names.index("group_name")
+    group = node.args[i] if len(node.args) > i else node.kwargs.get("group_name")
+    return group if isinstance(group, str) else None
+
+
+def describe(node: Node) -> str:
+    """One collective as peers must match it: kind, scalar arguments, dtypes and shapes."""
+    target = op_of(node)
+    name = getattr(target, "_opname", None) or getattr(target, "__name__", str(target))
+    args = [a for a in node.args[1:] if isinstance(a, (str, int, float))]
+    val = node.meta.get("val", node.meta.get("example_value"))
+    vals = val if isinstance(val, (list, tuple)) else [val]
+    tensors = ", ".join(f"{str(v.dtype).removeprefix('torch.')}{list(v.shape)}"
+                        for v in vals if isinstance(v, torch.Tensor))
+    return f"{name}({', '.join(map(str, args))}) -> {tensors}"
+
+
+def issue_sequence(graph: Graph) -> list[tuple[str | None, str]]:
+    """The collectives ``graph`` launches, in order: (group name, :func:`describe` string)."""
+    return [(group_of(n), describe(n)) for n in graph.nodes if is_collective(n)]

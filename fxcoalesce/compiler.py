@@ -1,6 +1,6 @@
 """torch.compile entry points: the ``fxcoalesce`` backend and the Inductor custom pass.
 
-    torch.compile(fn, backend="fxcoalesce")
+    torch.compile(fn, backend="fxcoalesce", mode="reduce-overhead")
     torch.compile(fn, backend=fxcoalesce.backend(fxcoalesce.Config(bucket_cap_mb=64)))
     torch._inductor.config.post_grad_custom_post_pass = fxcoalesce.inductor_pass()
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,55 +17,109 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.fx import Graph
 
+from .collectives import issue_sequence
 from .config import Config
-from .pipeline import run_pipeline
+from .pipeline import next_graph_name, run_pipeline
+from .rank_check import checked
+
+CHECK_RANKS_ENV = "FXCOALESCE_CHECK_RANKS"
 
 
-def backend(config: Config | None = None, *, on_graph: Callable | None = None):
+def env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def inductor_patches(mode: str | None, options: dict | None, codegen: str) -> dict:
+    """Inductor config patches for torch.compile's ``mode=`` / ``options=``, checked."""
+    if mode is not None and options:
+        raise ValueError("give mode= or options=, not both (as torch.compile requires)")
+    patches: dict = {}
+    if mode is not None and mode != "default":
+        from torch._inductor import list_mode_options
+
+        try:
+            patches.update(list_mode_options(mode))
+        except RuntimeError as e:
+            raise ValueError(f"fxcoalesce backend: {e}") from None
+    if options:
+        known = set(torch._inductor.list_options())
+        unknown = sorted(k for k in options if k not in known)
+        if unknown:
+            raise ValueError(f"fxcoalesce backend: unknown Inductor option(s) {unknown} "
+                             "(torch._inductor.list_options() names the known ones)")
+        patches.update(options)
+    if patches and codegen == "eager":
+        raise ValueError(f"fxcoalesce backend: Config(codegen='eager') runs the graph as Python "
+                         f"and cannot honour mode={mode!r} / options={options!r}; use "
+                         "codegen='inductor'")
+    return patches
+
+
+def backend(config: Config | None = None, *, on_graph: Callable | None = None,
+            mode: str | None = None, options: dict | None = None):
     """A ``torch.compile`` backend: dynamo → AOTAutograd → fxcoalesce passes → codegen.
 
     With ``codegen="inductor"`` the passes run inside Inductor's ``inner_compile``, on the
-    ATen graph before Inductor's own post-grad passes; ``codegen="eager"`` runs the
-    rewritten graph as Python (for debugging). ``on_graph(before, after, report)`` is called
-    for every graph (inspection tools use it).
+    ATen graph before Inductor's own post-grad passes; ``mode`` and ``options`` are
+    torch.compile's and reach Inductor as they would with ``backend="inductor"`` (CUDA graphs
+    with ``mode="reduce-overhead"``); torch.compile's own ``mode=`` / ``options=`` arguments
+    are accepted too. ``codegen="eager"`` runs the rewritten graph as Python (for debugging).
+    ``on_graph(before, after, report)`` is called for every graph (inspection tools use it).
     """
+    from fxcoalesce.passes import check_config
+
     cfg = config or Config()
+    check_config(cfg)
+    base = inductor_patches(mode, options, cfg.codegen)
+    check_ranks = cfg.check_ranks or env_flag(CHECK_RANKS_ENV)
 
-    def rewrite(gm):
-        new, report = run_pipeline(gm, cfg)
-        if on_graph is not None:
-            on_graph(gm, new, report)
-        return new
+    def compile_graph(gm, example_inputs, *, mode=None, options=None):
+        patches = {**base, **inductor_patches(mode, options, cfg.codegen)}
+        name = next_graph_name()
+        sequences = []
 
-    if cfg.codegen == "eager":
-        from functorch.compile import make_boxed_func
-        from torch._dynamo.backends.common import aot_autograd
-        from torch._inductor.decomposition import select_decomp_table
+        def rewrite(graph_module):
+            new, report = run_pipeline(graph_module, cfg, name=name)
+            sequences.append(issue_sequence(new.graph))
+            if on_graph is not None:
+                on_graph(graph_module, new, report)
+            return new
 
-        def fw_compiler(gm, example_inputs):
-            return make_boxed_func(rewrite(gm).forward)
+        if cfg.codegen == "eager":
+            compiled = _eager(rewrite)(gm, example_inputs)
+        else:
+            from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
-        return aot_autograd(fw_compiler=fw_compiler, decompositions=select_decomp_table())
+            def inner_compile(graph_module, inputs, **kwargs):
+                return compile_fx_inner(rewrite(graph_module), inputs, **kwargs)
 
-    def fxcoalesce_inductor(gm, example_inputs):
-        from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+            # Inductor's caches key on its config, not on inner_compile: a hit would skip the
+            # pipeline (and its report), or serve a graph compiled without it. Keep them off
+            # here; ``inductor_pass`` is the cache-friendly route (its uuid() joins the key).
+            with torch._functorch.config.patch(enable_autograd_cache=False), \
+                    torch._inductor.config.patch(fx_graph_cache=False):
+                compiled = compile_fx(gm, example_inputs, inner_compile=inner_compile,
+                                      config_patches=patches or None)
+        return checked(compiled, name, sequences) if check_ranks else compiled
 
-        def inner_compile(graph_module, inputs, **kwargs):
-            return compile_fx_inner(rewrite(graph_module), inputs, **kwargs)
-
-        # Inductor's caches key on its config, not on inner_compile: a hit would skip the
-        # pipeline (and its report), or serve a graph compiled without it. Keep them off here;
-        # ``inductor_pass`` is the cache-friendly route (its uuid() joins the cache key).
-        with torch._functorch.config.patch(enable_autograd_cache=False), \
-                torch._inductor.config.patch(fx_graph_cache=False):
-            return compile_fx(gm, example_inputs, inner_compile=inner_compile)
-
-    return fxcoalesce_inductor
+    return compile_graph
 
 
-def fxcoalesce_backend(gm, example_inputs):
-    """The backend registered as ``"fxcoalesce"`` (entry point ``torch_dynamo_backends``)."""
-    return backend()(gm, example_inputs)
+def _eager(rewrite):
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._inductor.decomposition import select_decomp_table
+
+    def fw_compiler(gm, example_inputs):
+        return make_boxed_func(rewrite(gm).forward)
+
+    return aot_autograd(fw_compiler=fw_compiler, decompositions=select_decomp_table())
+
+
+def fxcoalesce_backend(gm, example_inputs, **kwargs):
+    """The backend registered as ``"fxcoalesce"`` (entry point ``torch_dynamo_backends``);
+    torch.compile hands it ``mode=`` / ``options=`` when the user gives them."""
+    return backend()(gm, example_inputs, **kwargs)
 
 
 def source_files() -> list[Path]:
@@ -85,7 +140,7 @@ def source_fingerprint(files: list[Path] | None = None) -> str:
 
 def replace_graph(dst: Graph, src: Graph) -> None:
     """Make ``dst`` hold a copy of ``src`` (Inductor hands custom passes a graph to mutate)."""
-    meta = copy.copy(next(iter(reversed(dst.nodes))).meta)  # Inductor's facts about the outputs
+    meta = copy.copy(dst.output_node().meta)  # Inductor's facts about the outputs
     for n in reversed(list(dst.nodes)):
         dst.erase_node(n)
     dst.output(dst.graph_copy(src, {})).meta = meta
@@ -95,11 +150,19 @@ class FxCoalescePass(CustomGraphPass):
     """The pipeline as ``torch._inductor.config.post_grad_custom_post_pass``.
 
     ``uuid()`` keys Inductor's FX graph cache: it hashes the pass sources and the config, so
-    it changes when either does and is stable otherwise.
+    it changes when either does and is stable otherwise. On a cache hit the pass does not run
+    and records no report (``fxcoalesce.reports()`` says so when it is empty).
     """
 
     def __init__(self, config: Config | None = None):
+        from fxcoalesce.passes import check_config
+
         self.config = config or Config()
+        check_config(self.config)
+        if self.config.check_ranks:
+            raise ValueError("Config(check_ranks=True) needs the fxcoalesce backend "
+                             "(torch.compile(..., backend=fxcoalesce.backend(cfg))): a custom "
+                             "Inductor pass cannot wrap the compiled graph's first call")
 
     def __call__(self, graph: Graph) -> None:
         gm = graph.owning_module

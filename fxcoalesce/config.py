@@ -1,7 +1,12 @@
-"""Configuration of the fxcoalesce pipeline."""
+"""Configuration of the fxcoalesce pipeline (plain data: no torch, no passes imported).
+
+Pass names are checked against the registry by ``fxcoalesce.passes.check_config``, which
+every entry point calls, so a typo fails when the backend is made, not at the first compile.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 DEFAULT_PASSES = ("bucket", "schedule")
@@ -23,6 +28,8 @@ class CostModel:
     """Bus bandwidth in GB/s."""
 
     def __post_init__(self):
+        if not all(math.isfinite(v) for v in (self.base_us, self.hop_us, self.bandwidth_gbps)):
+            raise ValueError("CostModel values must be finite numbers")
         if self.base_us < 0 or self.hop_us < 0 or self.bandwidth_gbps <= 0:
             raise ValueError("CostModel latencies must be >= 0 and bandwidth > 0")
 
@@ -53,17 +60,21 @@ class Config:
     """Backend code generator: "inductor" (compile_fx_inner) or "eager" (run the FX graph)."""
     dump_dir: str | None = None
     """If set, write each graph before/after the pipeline and its report.json there."""
+    check_ranks: bool = False
+    """On the first run of each compiled graph, compare the sequence of collectives it issues
+    across the ranks of each group it uses, and raise naming the first difference before any
+    data collective runs (the ``FXCOALESCE_CHECK_RANKS=1`` environment variable turns it on
+    in the backend). Costs one small all_gather per group, once per graph."""
     cost: CostModel = field(default_factory=CostModel)
     """Cost model used for the report's predicted communication time."""
 
     def __post_init__(self):
-        from fxcoalesce.passes import PASSES  # late: passes import this module
-
-        unknown = [p for p in (*self.passes, *self.disable) if p not in PASSES]
-        if unknown:
-            raise ValueError(f"unknown pass name(s) {unknown}; known: {sorted(PASSES)}")
-        if self.bucket_cap_mb <= 0:
-            raise ValueError("bucket_cap_mb must be > 0")
+        if isinstance(self.passes, str) or isinstance(self.disable, str):
+            raise ValueError("passes and disable are tuples of pass names, e.g. ('bucket',)")
+        if not (isinstance(self.bucket_cap_mb, (int, float)) and math.isfinite(self.bucket_cap_mb)
+                and self.bucket_cap_mb > 0):
+            raise ValueError(f"bucket_cap_mb must be a finite number > 0, not "
+                             f"{self.bucket_cap_mb!r}")
         if self.codegen not in ("inductor", "eager"):
             raise ValueError(f"codegen must be 'inductor' or 'eager', not {self.codegen!r}")
 

@@ -1,32 +1,31 @@
-"""Stable topological reordering of an FX graph.
+"""Stable topological reordering of an FX graph that keeps one collective issue order.
 
 Rewrites insert nodes next to an anchor and may leave a consumer before its new producer;
 :func:`reorder` restores a valid order while moving as little as possible: among the nodes
 whose inputs are ready it always emits the one with the smallest priority (by default its
 current position). Side-effecting nodes (see ``analysis.is_barrier``) keep their place
 relative to everything else.
+
+Collectives are chained so that they come out in one fixed *issue order*, whatever the
+priorities say. Ranks match collectives by issue order, and a rank's priorities come from
+where its compute sits, which can differ between ranks (a bias added on rank 0 only). The
+issue order is the collectives' current order, or, after a rewrite merged some of them,
+:func:`issue_order`: a topological order of the collectives alone, ties broken by a
+rank-invariant key (the program position of the first original collective a node stands
+for). Both depend only on which collectives depend on which, never on compute placement.
 """
 
 from __future__ import annotations
 
 import heapq
+import itertools
 
 from torch.fx import Graph, Node
 
+from .collectives import is_collective
 
-def reorder(graph: Graph, priority: dict[Node, float] | None = None,
-            barriers: set[Node] | frozenset = frozenset()) -> None:
-    """Reorder ``graph`` in place into a topological order that follows ``priority``.
 
-    Raises ``RuntimeError`` if the graph has a cycle (a rewrite bug: callers fall back).
-    """
-    nodes = [n for n in graph.nodes if n.op != "output"]
-    output = next(iter(reversed(graph.nodes)))
-    pos = {n: i for i, n in enumerate(nodes)}
-    prio = dict(priority or {})
-    for i, n in enumerate(nodes):  # placeholders stay first, in their order
-        if n.op == "placeholder":
-            prio[n] = -1e18 + i
+def _edges(nodes: list[Node], barriers) -> tuple[dict[Node, list[Node]], dict[Node, int]]:
     succ: dict[Node, list[Node]] = {n: [] for n in nodes}
     indeg = dict.fromkeys(nodes, 0)
 
@@ -48,20 +47,69 @@ def reorder(graph: Graph, priority: dict[Node, float] | None = None,
             if last_barrier is not None:
                 edge(last_barrier, n)
             segment.append(n)
+    return succ, indeg
 
-    heap = [(prio.get(n, pos[n]), pos[n], n.name) for n in nodes if indeg[n] == 0]
-    by_name = {n.name: n for n in nodes}
+
+def _kahn(nodes: list[Node], succ, indeg, key) -> list[Node]:
+    """Topological order emitting, among ready nodes, the one with the smallest ``key``."""
+    indeg = dict(indeg)
+    pos = {n: i for i, n in enumerate(nodes)}
+    heap = [(key(n), pos[n]) for n in nodes if indeg[n] == 0]
     heapq.heapify(heap)
     emitted = []
     while heap:
-        _, _, name = heapq.heappop(heap)
-        n = by_name[name]
+        _, i = heapq.heappop(heap)
+        n = nodes[i]
         emitted.append(n)
         for s in succ[n]:
             indeg[s] -= 1
             if indeg[s] == 0:
-                heapq.heappush(heap, (prio.get(s, pos[s]), pos[s], s.name))
+                heapq.heappush(heap, (key(s), pos[s]))
     if len(emitted) != len(nodes):
         raise RuntimeError(f"graph has a cycle: {len(nodes) - len(emitted)} nodes unreachable")
-    for n in emitted:
+    return emitted
+
+
+def issue_order(nodes: list[Node], succ, indeg, issue_keys: dict[Node, float]) -> list[Node]:
+    """The collectives of ``nodes`` in a rank-invariant order.
+
+    Kahn's algorithm that runs every ready non-collective first and, when only collectives
+    are ready, the one with the smallest ``issue_keys`` entry. A collective is then ready
+    exactly when the collectives it depends on have run, so the order is a function of the
+    collective-to-collective dependencies and the keys alone.
+    """
+    missing = [n.name for n in nodes if is_collective(n) and n not in issue_keys]
+    if missing:
+        raise ValueError(f"no issue key for collective(s) {missing}")
+    order = _kahn(nodes, succ, indeg,
+                  lambda n: (1, issue_keys[n]) if is_collective(n) else (0, 0))
+    return [n for n in order if is_collective(n)]
+
+
+def reorder(graph: Graph, priority: dict[Node, float] | None = None,
+            barriers: set[Node] | frozenset = frozenset(),
+            issue_keys: dict[Node, float] | None = None) -> list[Node]:
+    """Reorder ``graph`` in place into a topological order that follows ``priority`` and
+    issues the collectives in their current order (``issue_keys=None``) or in
+    :func:`issue_order` of ``issue_keys``. Returns the collectives in issue order.
+
+    Raises ``RuntimeError`` if the graph has a cycle (a rewrite bug: callers fall back).
+    """
+    nodes = [n for n in graph.nodes if n.op != "output"]
+    output = graph.output_node()
+    succ, indeg = _edges(nodes, barriers)
+    if issue_keys is None:
+        collectives = [n for n in nodes if is_collective(n)]
+    else:
+        collectives = issue_order(nodes, succ, indeg, issue_keys)
+    for a, b in itertools.pairwise(collectives):
+        succ[a].append(b)
+        indeg[b] += 1
+    pos = {n: i for i, n in enumerate(nodes)}
+    prio = dict(priority or {})
+    for i, n in enumerate(nodes):  # placeholders stay first, in their order
+        if n.op == "placeholder":
+            prio[n] = -1e18 + i
+    for n in _kahn(nodes, succ, indeg, lambda n: prio.get(n, pos[n])):
         output.prepend(n)
+    return collectives

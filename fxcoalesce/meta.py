@@ -1,12 +1,34 @@
-"""Keep ``node.meta["val"]`` right on nodes that a pass creates."""
+"""Facts about FX nodes' values: fake ``meta["val"]``, storage identity, element counts."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import Node
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_map
+
+
+def tensor_val(node: object) -> torch.Tensor | None:
+    """The node's fake tensor value (``example_value`` in Dynamo-level graphs), or None."""
+    if not isinstance(node, Node):
+        return None
+    val = node.meta.get("val", node.meta.get("example_value"))
+    return val if isinstance(val, torch.Tensor) else None
+
+
+def storage_of(node: Node) -> StorageWeakRef | None:
+    """Identity of the storage the node's value lives in (views share their base's)."""
+    val = tensor_val(node)
+    return StorageWeakRef(val.untyped_storage()) if val is not None else None
+
+
+def numel(shape) -> int | torch.SymInt:
+    """Product of ``shape`` (ints or SymInts)."""
+    return math.prod(shape, start=1)
 
 
 def propagate_val(node: Node, mode: FakeTensorMode | None = None) -> None:

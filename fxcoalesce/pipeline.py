@@ -19,21 +19,27 @@ log = logging.getLogger("fxcoalesce")
 _graph_ids = itertools.count()
 
 
+def next_graph_name() -> str:
+    """A process-unique name for the next compiled graph ("graph 0", "graph 1", ...)."""
+    return f"graph {next(_graph_ids)}"
+
+
 def copy_graph_module(gm: GraphModule) -> GraphModule:
     """A new GraphModule over a node-for-node copy of ``gm.graph`` (meta shared shallowly)."""
     graph = Graph()
     out = graph.graph_copy(gm.graph, {})
     # Inductor keeps facts on the output node (user-visible outputs and their strides)
-    graph.output(out).meta = copy.copy(next(iter(reversed(gm.graph.nodes))).meta)
+    graph.output(out).meta = copy.copy(gm.graph.output_node().meta)
     return GraphModule(gm, graph)
 
 
 def run_pipeline(gm: GraphModule, cfg: Config, *, name: str | None = None
                  ) -> tuple[GraphModule, Report]:
     """Return the rewritten graph module and its report; ``gm`` itself is never modified."""
-    from fxcoalesce.passes import PASSES
+    from fxcoalesce.passes import PASSES, check_config
 
-    name = name or f"graph {next(_graph_ids)}"
+    check_config(cfg)
+    name = name or next_graph_name()
     t0 = time.perf_counter()
     before = analyze(gm)
     analysis_ms = (time.perf_counter() - t0) * 1e3

@@ -39,9 +39,10 @@ class Report:
 
     def summary(self) -> str:
         a = self.all_reduce
+        alone = f", {a['left_alone']} left alone" if a.get("left_alone") else ""
         return (f"fxcoalesce[{self.graph}]: all_reduce {a['before']} -> {a['after']} launches "
-                f"(lower bound {a['lower_bound']}), {a['bytes_before']} -> {a['bytes_after']} "
-                f"bytes, {len(self.buckets)} bucket(s); {self.verdict}")
+                f"(lower bound {a['lower_bound']}{alone}), {a['bytes_before']} -> "
+                f"{a['bytes_after']} bytes, {len(self.buckets)} bucket(s); {self.verdict}")
 
 
 def world_size_of(analysis: Analysis) -> int | None:
@@ -58,13 +59,26 @@ def comm_us(analysis: Analysis, cost: CostModel, world: int | None) -> float:
 
 
 def verdict(before: Analysis, after: Analysis) -> str:
-    if before.all_reduce_count == before.lower_bound:
-        return ("already at its bound: the all_reduces form dependency chains, and no exact "
-                "rewrite can merge links of a chain")
-    if after.all_reduce_count == before.lower_bound:
-        return "reached the lower bound"
-    return (f"{after.all_reduce_count - before.lower_bound} launch(es) above the bound "
-            "(bucket cap or left-alone collectives; see warnings)")
+    """One sentence: where the graph stands against its bound, and what was left alone."""
+    if before.all_reduce_count == 0:
+        return "no all_reduce in this graph"
+    parts = []
+    bound = before.lower_bound
+    if before.analysed_count == 0:
+        parts.append("nothing analysed")
+    elif before.analysed_count == bound:
+        parts.append("already at its bound: the all_reduces form dependency chains, and no "
+                     "exact rewrite can merge links of a chain")
+    elif after.analysed_count <= bound:
+        parts.append("reached the lower bound")
+    else:
+        parts.append(f"{after.analysed_count - bound} launch(es) above the bound "
+                     "(bucket cap or interlocked keys; see warnings)")
+    if before.scan.skipped:
+        reasons = sorted({why for _, why in before.scan.skipped})
+        parts.append(f"{len(before.scan.skipped)} all_reduce(s) left alone and not in the "
+                     f"bound ({'; '.join(reasons)})")
+    return "; ".join(parts)
 
 
 def build_report(graph: str, before: Analysis, after: Analysis, *, cost: CostModel,
@@ -77,8 +91,9 @@ def build_report(graph: str, before: Analysis, after: Analysis, *, cost: CostMod
     return Report(
         graph=graph, world_size=world,
         all_reduce={"before": before.all_reduce_count, "after": after.all_reduce_count,
-                    "lower_bound": before.lower_bound, "bytes_before": bytes_of(before),
-                    "bytes_after": bytes_of(after)},
+                    "lower_bound": before.lower_bound,
+                    "left_alone": len(before.scan.skipped),
+                    "bytes_before": bytes_of(before), "bytes_after": bytes_of(after)},
         predicted_comm_us={"before": round(comm_us(before, cost, world), 1),
                            "after": round(comm_us(after, cost, world), 1),
                            "world_size_assumed": world or 2},
@@ -101,9 +116,22 @@ def record(report: Report) -> None:
         log.warning("fxcoalesce[%s]: %s", report.graph, w)
 
 
-def reports() -> list[Report]:
+class ReportList(list):
+    """A list of reports that says why it is empty when indexed."""
+
+    def __getitem__(self, i):
+        if not self:
+            raise IndexError(
+                "no fxcoalesce report recorded in this process: nothing was compiled through "
+                "fxcoalesce yet (torch.compile is lazy: call the compiled function first), or "
+                "Inductor's FX graph cache served the graph, which skips the inductor_pass() "
+                "route's pass (the backend route always runs it)")
+        return super().__getitem__(i)
+
+
+def reports() -> ReportList:
     """All reports of this process, oldest first."""
-    return list(_REPORTS)
+    return ReportList(_REPORTS)
 
 
 def clear_reports() -> None:

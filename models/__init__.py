@@ -51,9 +51,3 @@ def apply_tp(model: torch.nn.Module, group) -> torch.nn.Module:
     """Shard ``model`` over ``group`` in place (its family's ``apply_tp``)."""
     fam = importlib.import_module(type(model).__module__)
     return fam.apply_tp(model, group)
-
-
-def make_step(model: torch.nn.Module, step: str, tokens: int):
-    """(callable, example args) running ``step`` ("forward", or "verify" for MoE targets)."""
-    fam = importlib.import_module(type(model).__module__)
-    return fam.make_step(model, step, tokens)

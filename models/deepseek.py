@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .eagle3 import Tree, tree_verify_inputs, verify_step
+from .rope import rope_angles, rope_interleaved
 from .tp import (
     Group,
     VocabParallelEmbedding,
@@ -147,26 +147,6 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def rope_rotation(input_pos: torch.Tensor, dim: int, theta: float) -> torch.Tensor:
-    """[S, dim/2, 2, 2] rotation matrices for absolute positions ``input_pos`` [S].
-
-    Plain RoPE: the checkpoints' YaRN context extension (frequency ramp and the mscale factor
-    on the softmax scale) only changes these constants, not the graph, so it is left out.
-    """
-    even = torch.arange(0, dim, 2, device=input_pos.device, dtype=torch.float32)
-    inv_freq = theta ** -(even / dim)
-    angles = input_pos.float()[:, None] * inv_freq  # [S, dim/2]
-    cos, sin = angles.cos(), angles.sin()
-    return torch.stack([cos, -sin, sin, cos], -1).unflatten(-1, (2, 2))
-
-
-def apply_rope(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
-    """Rotate the interleaved pairs of ``x`` [..., r] (the reference's complex product);
-    ``rot`` broadcasts to [..., r/2, 2, 2]."""
-    pairs = x.to(rot.dtype).unflatten(-1, (-1, 1, 2))  # [..., r/2, 1, 2]
-    return (pairs * rot).sum(-1).flatten(-2).type_as(x)
-
-
 def causal_mask(cache_pos: torch.Tensor, max_seq_len: int) -> torch.Tensor:
     """[1, 1, S, max_seq_len] bool: token s sees cache slots <= cache_pos[s] (prefill/decode)."""
     slots = torch.arange(max_seq_len, device=cache_pos.device)
@@ -203,18 +183,19 @@ class MLA(nn.Module):
         return self.wq_b(self.q_norm(self.wq_a(x))) if hasattr(self, "wq_a") else self.wq(x)
 
     def forward(self, x, rot, cache_pos, mask):
-        """x [B, S, H], rot [S, r/2, 2, 2], cache_pos [S], mask [B|1, 1, S, T] -> [B, S, H]"""
+        """x [B, S, H], rot (cos, sin) [S, r/2], cache_pos [S], mask [B|1, 1, S, T] -> [B, S, H]"""
         B, S, _ = x.shape
         h, c = self.n_local_heads, self.kv_lora_rank
         kv, k_pe = self.wkv_a(x).split([c, self.rope], -1)  # [B, S, c], [B, S, r]
         cache = self.kv_cache[:B]  # [B, T, c + r]
-        cache.index_copy_(1, cache_pos, torch.cat([self.kv_norm(kv), apply_rope(k_pe, rot)], -1))
+        k_pe = rope_interleaved(k_pe, *rot)
+        cache.index_copy_(1, cache_pos, torch.cat([self.kv_norm(kv), k_pe], -1))
 
         # batched matmuls rather than einsums: far fewer ATen ops to trace at 61 layers
         q = self.query(x).view(B * S, h, -1).transpose(0, 1)  # [h, BS, nope + r]
         q_nope, q_pe = q.split([self.nope, self.rope], -1)
         wkv_b = self.wkv_b.weight.view(h, self.nope + self.v, c)
-        q_pe = apply_rope(q_pe.view(h, B, S, -1), rot).flatten(1, 2)  # [h, BS, r]
+        q_pe = rope_interleaved(q_pe.view(h, B, S, -1), *rot).flatten(1, 2)  # [h, BS, r]
         q_lat = torch.cat([torch.bmm(q_nope, wkv_b[:, : self.nope]), q_pe], -1)  # [h, BS, c + r]
         q_lat = q_lat.view(h, B, S, -1).transpose(0, 1).reshape(B, h * S, -1)  # [B, hS, c + r]
         scores = torch.bmm(q_lat, cache.transpose(1, 2)).view(B, h, S, -1) * self.softmax_scale
@@ -377,8 +358,10 @@ class Transformer(nn.Module):
         if self.layers[0].attn.kv_cache is None:
             raise RuntimeError("KV cache missing: call model.setup_cache() before forward")
         h = self.embed(tokens)  # [B, S, H]
-        rot = rope_rotation(input_pos, self.args.qk_rope_head_dim, self.args.rope_theta)
-        rot = rot.to(_acc(h.dtype))  # [S, r/2, 2, 2]
+        # (cos, sin) [S, r/2]. Plain RoPE: the checkpoints' YaRN extension only changes
+        # these constants (and the softmax scale), not the graph, so it is left out.
+        rot = rope_angles(input_pos, self.args.qk_rope_head_dim, self.args.rope_theta,
+                          _acc(h.dtype))
         capture, captured = self.args.capture_layers, {}
         for i, layer in enumerate(self.layers):
             if i in capture:
@@ -461,27 +444,3 @@ def build(name_or_args: str | MoEArgs, *, hand_merged: bool = False,
         model = Transformer(args)
     init_weights_(model, seed, dtype)
     return model
-
-
-def make_step(model: Transformer, step: str, tokens: int, prefix: int = 64):
-    """(callable, example args) for the fxcoalesce CLI and benches, after setting up a KV cache
-    of ``prefix + tokens`` slots; the callable maps (tokens, input_pos, cache_pos, mask) to
-    logits [1, tokens, V] (the EAGLE hidden states are dropped: they add no collective).
-    "forward": prefill of ``tokens`` tokens. "verify": EAGLE-3 verification of a binary tree of
-    ``tokens`` nodes after ``prefix`` cached tokens (tree mask, positions prefix + depth)."""
-    model.setup_cache(1, prefix + tokens)
-    if step == "forward":
-        input_pos = cache_pos = torch.arange(tokens)
-        mask = causal_mask(cache_pos, prefix + tokens)
-    elif step == "verify":
-        parents = [-1] + [(i - 1) // 2 for i in range(1, tokens)]
-        tree = Tree.from_parents(torch.zeros(tokens, dtype=torch.long), parents)
-        input_pos, cache_pos, mask = tree_verify_inputs(tree, prefix, prefix + tokens)
-    else:
-        raise ValueError(f"{type(model).__name__} models support steps 'forward' and 'verify', "
-                         f"not {step!r}")
-
-    def logits_of(tokens, input_pos, cache_pos, mask):
-        return verify_step(model, tokens, input_pos, cache_pos, mask)[0]
-
-    return logits_of, (torch.zeros(1, tokens, dtype=torch.long), input_pos, cache_pos, mask)

@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .rope import rope_angles, rope_half
+
 
 @dataclass(kw_only=True, frozen=True)
 class DraftArgs:
@@ -74,15 +76,6 @@ def check_d2t(d2t: torch.Tensor, draft_vocab: int, target_vocab: int) -> None:
                          "must be distinct target ids (d2t[i] = target_id[i] - i)")
 
 
-def rope_half(x: torch.Tensor, input_pos: torch.Tensor, theta: float) -> torch.Tensor:
-    """Llama-style (rotate-half) RoPE of ``x`` [B, S, h, d] at positions ``input_pos`` [S]."""
-    d = x.shape[-1]
-    inv_freq = theta ** -(torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
-    angles = (input_pos.float()[:, None] * inv_freq).repeat(1, 2)[:, None]  # [S, 1, d]
-    x1, x2 = x.chunk(2, -1)
-    return (x * angles.cos() + torch.cat([-x2, x1], -1) * angles.sin()).type_as(x)
-
-
 class Eagle3Draft(nn.Module):
     """One decoder layer over cat(norm(embed(token)), norm(hidden)) (2H), replicated on every
     TP rank. Its output hidden state (before the final norm) feeds the next draft step."""
@@ -129,7 +122,8 @@ class Eagle3Draft(nn.Module):
         B, S, H = hidden.shape
         x = torch.cat([self.embed_norm(self.embed(tokens)), self.hidden_norm(hidden)], -1)  # 2H
         q, k, v = (w(x).view(B, S, self.args.n_heads, -1) for w in (self.wq, self.wk, self.wv))
-        q, k = (rope_half(t, input_pos, self.args.rope_theta) for t in (q, k))
+        cos, sin = rope_angles(input_pos, q.shape[-1], self.args.rope_theta)
+        q, k = (rope_half(t, cos[:, None], sin[:, None]) for t in (q, k))
         self.k_cache.index_copy_(1, cache_pos, k)
         self.v_cache.index_copy_(1, cache_pos, v)
         k_all, v_all = self.k_cache.transpose(1, 2), self.v_cache.transpose(1, 2)  # [B, h, T, d]

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .rope import rope_angles, rope_interleaved
 from .tp import (Group, VocabParallelEmbedding, all_gather_last_dim, all_reduce,
                  check_divisible, shard_linear_, world_of)
 
@@ -75,12 +76,8 @@ CONFIGS = {
 
 
 def rope(x: torch.Tensor, theta: float) -> torch.Tensor:  # [B, S, h, d] -> same
-    d = x.shape[-1]
-    pos = torch.arange(x.shape[1], device=x.device, dtype=torch.float32)
-    freqs = torch.outer(pos, theta ** (-torch.arange(0, d, 2, device=x.device) / d))
-    cos, sin = freqs.cos()[None, :, None, :], freqs.sin()[None, :, None, :]
-    x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
-    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), -1).flatten(-2).type_as(x)
+    cos, sin = rope_angles(torch.arange(x.shape[1], device=x.device), x.shape[-1], theta)
+    return rope_interleaved(x, cos[:, None], sin[:, None])
 
 
 def make_norm(args: ModelArgs) -> nn.Module:
@@ -208,11 +205,3 @@ def build(name_or_args: str | ModelArgs, *, hand_merged: bool = False,
             return Transformer(args).eval()
     finally:
         torch.set_default_dtype(previous)
-
-
-def make_step(model: Transformer, step: str, tokens: int):
-    """(callable, example args) for ``step``; dense decoders offer only "forward"."""
-    if step != "forward":
-        raise ValueError(f"{type(model).__name__} models support only step 'forward', "
-                         f"not {step!r}")
-    return model, (torch.zeros(1, tokens, dtype=torch.long),)

@@ -16,4 +16,13 @@ PASSES = {
     "schedule": schedule_pass,
 }
 
-__all__ = ["PASSES", "PassResult", "bucket_pass", "schedule_pass"]
+
+
+def check_config(cfg) -> None:
+    """Raise ``ValueError`` if ``cfg`` names a pass that does not exist."""
+    unknown = [p for p in (*cfg.passes, *cfg.disable) if p not in PASSES]
+    if unknown:
+        raise ValueError(f"unknown pass name(s) {unknown}; known: {sorted(PASSES)}")
+
+
+__all__ = ["PASSES", "PassResult", "bucket_pass", "check_config", "schedule_pass"]

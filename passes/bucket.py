@@ -3,7 +3,11 @@
 Requires: comm blocks from ``find_comm_blocks`` (all_reduce/all_reduce_ with one wait).
 Ensures: every (key, level) group of the analysis becomes one all_reduce (split further
 only by ``cfg.bucket_cap_mb``), issued right after its last member's input; consumers
-read the same values as before. Launches after = lower bound when the cap allows.
+read the same values as before. Launches after = lower bound when the cap allows. The
+collectives come out in a rank-invariant issue order (``graph_order.issue_order``: a fused
+one is keyed by its first member's place in the program's sequence). Symbolic sizes are
+fine: split sizes and shapes are read back with ``sym_numel`` / ``sym_size``; the cap uses
+size hints.
 
     before                                  after
     %a = all_reduce(%x, sum, 0)             %cat = cat([reshape(%x, [-1]), reshape(%y, [-1])])
@@ -20,13 +24,12 @@ from collections import deque
 
 import torch
 from torch.fx import GraphModule, Node
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from fxcoalesce.analysis import Analysis, BlockInfo, analyze
 from fxcoalesce.collectives import ALL_REDUCE, WAIT
 from fxcoalesce.config import Config
 from fxcoalesce.graph_order import reorder
-from fxcoalesce.meta import fake_mode_of, propagate_val
+from fxcoalesce.meta import fake_mode_of, propagate_val, storage_of
 
 from .result import Bucket, PassResult
 
@@ -82,11 +85,6 @@ def quotient_is_acyclic(analysis: Analysis, plan: list[list[BlockInfo]]) -> bool
     return seen == len(indeg)
 
 
-def _storage(node: Node):
-    val = node.meta.get("val")
-    return StorageWeakRef(val.untyped_storage()) if isinstance(val, torch.Tensor) else None
-
-
 def _emit(graph, cursor: Node, target, args, mode, new: list[Node]) -> Node:
     with graph.inserting_after(cursor):
         node = graph.call_function(target, args)
@@ -104,23 +102,27 @@ def _fuse(gm: GraphModule, group: list[BlockInfo], floor: Node | None, mode,
     anchor = max(inputs + ([floor] if floor is not None else []), key=priority.__getitem__)
     new: list[Node] = []
     cursor = anchor
-    flats = []
-    for x in inputs:
-        cursor = _emit(graph, cursor, aten.reshape.default, (x, [-1]), mode, new)
-        flats.append(cursor)
-    cat = _emit(graph, cursor, aten.cat.default, (flats,), mode, new)
+
+    def emit(target, *args):
+        nonlocal cursor
+        cursor = _emit(graph, cursor, target, args, mode, new)
+        return cursor
+
+    flats = [emit(aten.reshape.default, x, [-1]) for x in inputs]
+    # symbolic sizes are read off the member inputs: sym_size / sym_numel nodes
+    shapes = [[s if isinstance(s, int) else emit(aten.sym_size.int, x, d)
+               for d, s in enumerate(b.shape)] for x, b in zip(inputs, blocks)]
+    numels = [emit(aten.sym_numel.default, x) if b.symbolic else b.numel
+              for x, b in zip(inputs, blocks)]
+    cat = emit(aten.cat.default, flats)
     key = blocks[0].key
-    fused = _emit(graph, cat, ALL_REDUCE, (cat, key.op, key.group), mode, new)
-    wait = _emit(graph, fused, WAIT, (fused,), mode, new)
-    parts = _emit(graph, wait, aten.split_with_sizes.default,
-                  (wait, [b.numel for b in blocks]), mode, new)
-    cursor = parts
-    for i, b in enumerate(blocks):
-        item = _emit(graph, cursor, operator.getitem, (parts, i), mode, new)
-        out = _emit(graph, item, aten.reshape.default, (item, list(b.shape)), mode, new)
-        cursor = out
-        if _storage(b.wait) in output_storages:  # no new aliasing between graph outputs
-            out = cursor = _emit(graph, out, aten.clone.default, (out,), mode, new)
+    fused = emit(ALL_REDUCE, cat, key.op, key.group)
+    wait = emit(WAIT, fused)
+    parts = emit(aten.split_with_sizes.default, wait, numels)
+    for i, (b, shape) in enumerate(zip(blocks, shapes)):
+        out = emit(aten.reshape.default, emit(operator.getitem, parts, i), shape)
+        if storage_of(b.wait) in output_storages:  # no new aliasing between graph outputs
+            out = emit(aten.clone.default, out)
         b.wait.replace_all_uses_with(out)
         graph.erase_node(b.wait)
         graph.erase_node(b.collective)
@@ -144,17 +146,19 @@ def bucket_pass(gm: GraphModule, *, cfg: Config) -> PassResult:
         return result
     mode = fake_mode_of(analysis.order)
     priority = {n: float(i) for n, i in analysis.order.items()}
-    output = next(iter(reversed(gm.graph.nodes)))
-    output_storages = {_storage(n) for n in output.all_input_nodes} - {None}
+    output_storages = {storage_of(n) for n in gm.graph.output_node().all_input_nodes} - {None}
+    # a fused collective is issued where its first member was in the program's sequence
+    issue_keys = {n: float(i) for i, n in enumerate(analysis.scan.sequence)}
     for group in plan:
         first = min(analysis.order[i.block.collective] for i in group)
         floor = max((b for b in analysis.barriers if analysis.order[b] < first),
                     key=analysis.order.__getitem__, default=None)
         fused = _fuse(gm, group, floor, mode, priority, output_storages)
+        issue_keys[fused] = float(min(i.block.ordinal for i in group))
         result.buckets.append(Bucket(
             members=[i.block.collective.name for i in group],
             nbytes=sum(i.block.nbytes for i in group),
             level=group[0].level, key=str(group[0].block.key), collective=fused.name))
-    reorder(gm.graph, priority, set(analysis.barriers))
+    reorder(gm.graph, priority, set(analysis.barriers), issue_keys)
     result.changed = True
     return result

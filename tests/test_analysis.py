@@ -164,8 +164,8 @@ def test_inplace_input_read_again_is_skipped():
     ((node, reason),) = an.scan.skipped
     assert node.target is c10d.all_reduce_.default
     assert "read again after the in-place collective" in reason
-    # left alone, but still one launch the bound must count
-    assert (an.infos, an.lower_bound) == ([], 1)
+    # left alone: counted as an all_reduce, but not in the bound (which covers analysed ones)
+    assert (an.infos, an.lower_bound, an.all_reduce_count) == ([], 0, 1)
 
 
 def test_inplace_on_placeholder_is_skipped():
@@ -176,14 +176,16 @@ def test_inplace_on_placeholder_is_skipped():
     assert "mutates a graph input" in reason
 
 
-def test_symbolic_size_is_skipped():
+def test_symbolic_size_is_analysed_with_hints():
     b = GraphBuilder(dynamic=True)
     x = b.input("x", (4, 8), dynamic=True)
     gm = b.build(b.all_reduce(x))
     # the builder really produced a SymInt size
     assert isinstance(x.meta["val"].shape[0], torch.SymInt)
-    ((_, reason),) = find_comm_blocks(gm.graph).skipped
-    assert reason.startswith("symbolic size")
+    scan = find_comm_blocks(gm.graph)
+    ((block,),) = [scan.blocks]
+    # kept symbolic for the rewrite; bytes from the size hints (4 x 8 float32) for the cap
+    assert scan.skipped == [] and block.symbolic and block.nbytes == 4 * 8 * 4
 
 
 def test_two_waits_is_skipped():

@@ -16,6 +16,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from fxcoalesce.apps.steps import make_step
 from fxcoalesce.models import deepseek as ds
 from fxcoalesce.models.eagle3 import Tree, tree_verify_inputs, verify_step
 
@@ -214,14 +215,14 @@ def test_full_width_few_layers_all_reduce_count(name, hand_merged):
 def test_make_step(step):
     """The CLI's entry: a tree (or causal) step over 7 tokens returns the logits."""
     model = ds.build(TINY, dtype=torch.float64)
-    fn, args = ds.make_step(model, step, 7)
+    fn, args = make_step(model, step, 7)
     tokens, input_pos, cache_pos, mask = args
     want_pos = [64, 65, 65, 66, 66, 66, 66] if step == "verify" else list(range(7))
     assert input_pos.tolist() == want_pos and mask.shape == (1, 1, 7, 71)
     with torch.no_grad():
         assert torch.equal(fn(*args), model(*args)[0])
-    with pytest.raises(ValueError, match="'forward' and 'verify'"):
-        ds.make_step(model, "decode", 1)
+    with pytest.raises(ValueError, match="unknown step 'decode'"):
+        make_step(model, "decode", 1)
 
 
 def test_kimi_k2_builds_and_shards_under_fake_mode():

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxcoalesce
-from fxcoalesce.distributed import spawn
+from fxcoalesce.apps.launch import spawn
 from fxcoalesce.models import deepseek as ds
 from fxcoalesce.models import eagle3 as e3
 

@@ -12,9 +12,9 @@ import torch
 from torch._inductor.utils import run_and_get_code
 
 import fxcoalesce
-from fxcoalesce.distributed import init_fake_group
+from fxcoalesce.apps.launch import init_fake_group
 from fxcoalesce.models import apply_tp, build, transformer
-from fxcoalesce.trace import trace_model
+from fxcoalesce.apps.trace import trace_model
 
 L = transformer.CONFIGS["neox-tiny"].n_layers
 
@@ -67,7 +67,7 @@ def test_inductor_codegen_counts_and_values():
 
 
 def test_cli_inspect_writes_report(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "fxcoalesce.cli", "inspect", "--model",
+    proc = subprocess.run([sys.executable, "-m", "fxcoalesce.apps.cli", "inspect", "--model",
                            "neox-tiny", "--tp", "4", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
@@ -80,7 +80,7 @@ def test_cli_inspect_writes_report(tmp_path):
 
 
 def test_cli_rejects_unknown_model():
-    proc = subprocess.run([sys.executable, "-m", "fxcoalesce.cli", "inspect", "--model",
+    proc = subprocess.run([sys.executable, "-m", "fxcoalesce.apps.cli", "inspect", "--model",
                            "no-such-model"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "unknown model 'no-such-model'" in proc.stderr and "Traceback" not in proc.stderr

@@ -70,15 +70,27 @@ def test_input_module_is_never_modified():
 
 
 @pytest.mark.parametrize("kwargs", [
-    {"passes": ("bucket", "nope")},                      # unknown pass name
-    {"disable": ("nope",)},                              # unknown name to disable
     {"bucket_cap_mb": 0},                                # cap must be positive
     {"bucket_cap_mb": -1.0},
+    {"bucket_cap_mb": float("inf")},                     # and finite: inf made every
+    {"bucket_cap_mb": float("nan")},                     # compile fall back
     {"codegen": "tvm"},                                  # only inductor or eager
+    {"passes": "bucket"},                                # a string, not a tuple of names
 ])
 def test_config_rejects(kwargs):
     with pytest.raises(ValueError):
         Config(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"passes": ("bucket", "nope")},                      # unknown pass name
+    {"disable": ("nope",)},                              # unknown name to disable
+])
+@pytest.mark.parametrize("entry", [fxcoalesce.backend, inductor_pass,
+                                   lambda cfg: run_pipeline(diamond(), cfg)])
+def test_unknown_pass_names_fail_at_every_entry(kwargs, entry):
+    with pytest.raises(ValueError, match="unknown pass name.*nope"):
+        entry(Config(**kwargs))
 
 
 def test_cost_model_rejects_zero_bandwidth():
@@ -150,18 +162,18 @@ def test_custom_pass_mutates_graph_in_place():
 
 def test_pipeline_keeps_output_node_meta():
     gm = diamond()
-    out_node = next(iter(reversed(gm.graph.nodes)))
+    out_node = gm.graph.output_node()
     out_node.meta["user_visible_output_idxs"] = [0]
     new, _ = run_pipeline(gm, Config(strict=True))
     # Inductor reads this to keep user-visible output strides
-    assert next(iter(reversed(new.graph.nodes))).meta.get("user_visible_output_idxs") == [0]
+    assert new.graph.output_node().meta.get("user_visible_output_idxs") == [0]
 
 
 def test_custom_pass_keeps_output_node_meta():
     gm = diamond()
-    next(iter(reversed(gm.graph.nodes))).meta["original_output_strides"] = [(4, 1)]
+    gm.graph.output_node().meta["original_output_strides"] = [(4, 1)]
     inductor_pass(Config(strict=True))(gm.graph)
-    assert next(iter(reversed(gm.graph.nodes))).meta.get("original_output_strides") == [(4, 1)]
+    assert gm.graph.output_node().meta.get("original_output_strides") == [(4, 1)]
 
 
 DETERMINISM_SCRIPT = """

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 import fxcoalesce
-from fxcoalesce.distributed import spawn
+from fxcoalesce.apps.launch import spawn
 
 
 def _compare(rank, world, name, codegen):

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .compiler import backend
-from .config import Config
-from .distributed import default_backend, spawn
+from fxcoalesce.compiler import backend
+from fxcoalesce.config import Config
+from .launch import default_backend, spawn
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -14,9 +14,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from .compiler import backend
-from .config import Config
-from .report import reports
+from fxcoalesce.compiler import backend
+from fxcoalesce.config import Config
+
+from .steps import make_step
+from fxcoalesce.report import reports
 
 
 def _timer(device: torch.device):
@@ -48,7 +50,7 @@ def bench_worker(rank: int, world: int, name: str, tokens: int, steps: int, warm
     def step():  # one model per variant: same seed, so the same weights
         model = models.apply_tp(models.build(name, hand_merged=hand_merged, device=dev),
                                 dist.group.WORLD)
-        return model, *models.make_step(model, "forward", tokens)
+        return model, *make_step(model, "forward", tokens)
 
     model, fn_without, args = step()
     _, fn_with, _ = step()

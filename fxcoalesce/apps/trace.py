@@ -10,10 +10,12 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import GraphModule
 
-from .compiler import backend
-from .config import Config
-from .distributed import init_fake_group
-from .report import Report
+from fxcoalesce.compiler import backend
+from fxcoalesce.config import Config
+from fxcoalesce.report import Report
+
+from .launch import init_fake_group
+from .steps import make_step
 
 
 @dataclass(slots=True)
@@ -43,7 +45,7 @@ def trace_model(name: str, *, tp: int, tokens: int, step: str = "forward",
     with mode:
         model = models.build(name, hand_merged=hand_merged, dtype=dtype, layers=layers)
         models.apply_tp(model, group)
-        fn, args = models.make_step(model, step, tokens)
+        fn, args = make_step(model, step, tokens)
     graphs = []
     cfg = replace(config or Config(), codegen="eager")
     compiled = torch.compile(fn, backend=backend(cfg, on_graph=lambda *g: graphs.append(g)),

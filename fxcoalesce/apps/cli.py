@@ -8,7 +8,7 @@ import logging
 import sys
 from pathlib import Path
 
-from .config import Config
+from fxcoalesce.config import Config
 
 
 def _table(rows: list[tuple[str, object]]) -> str:
@@ -19,7 +19,7 @@ def _table(rows: list[tuple[str, object]]) -> str:
 def cmd_inspect(args) -> int:
     from fxcoalesce import models
     from fxcoalesce.pipeline import graph_text
-    from fxcoalesce.trace import trace_model
+    from fxcoalesce.apps.trace import trace_model
 
     if args.list:
         for name in models.model_names():
@@ -66,8 +66,8 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from fxcoalesce.bench import bench_worker
-    from fxcoalesce.distributed import spawn
+    from fxcoalesce.apps.bench import bench_worker
+    from fxcoalesce.apps.launch import spawn
 
     print(f"bench {args.model} TP={args.tp} tokens={args.tokens}: {args.warmup} warm-up + "
           f"{args.steps} timed steps per variant, compiling ...", file=sys.stderr)
@@ -93,7 +93,7 @@ def cmd_bench(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from fxcoalesce.demo import run_demo
+    from fxcoalesce.apps.demo import run_demo
 
     return run_demo(args)
 

@@ -1,0 +1,1 @@
+"""Applications built on the fxcoalesce core: the CLI, tracing, benchmarks, the demo."""
