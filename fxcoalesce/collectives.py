@@ -60,9 +60,10 @@ class Key:
         return f"{self.op}/{str(self.dtype).removeprefix('torch.')}/{self.device}/group {self.group}"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class CommBlock:
-    """One all_reduce with its single wait (and the copy back, for the in-place API)."""
+    """One all_reduce with its single wait (and the copy back, for the in-place API).
+    Compared and hashed by identity (its shape may hold unhashable SymInts)."""
 
     collective: Node
     wait: Node

@@ -100,7 +100,8 @@ def build_report(graph: str, before: Analysis, after: Analysis, *, cost: CostMod
         chains={str(k): v for k, v in before.chains.items()},
         buckets=buckets,
         windows=[{"node": i.block.collective.name, "level": i.level, "ready": i.ready,
-                  "need": i.need, "slack": i.slack, "bytes": i.block.nbytes}
+                  "need": i.need, "slack": i.slack, "bytes": i.block.nbytes,
+                  "symbolic": i.block.symbolic}
                  for i in before.infos],
         passes=passes, analysis_ms=round(analysis_ms, 3),
         nodes={"before": len(before.order), "after": len(after.order)},

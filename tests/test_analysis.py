@@ -68,6 +68,19 @@ def test_ready_need_slack_exact():
     assert (info.ready, info.need, info.slack) == (2, 6, 3)
 
 
+def test_need_is_the_first_consumer_not_the_last():
+    b = GraphBuilder()
+    x, w = b.input("x"), b.input("w")                   # 0, 1
+    wt = b.all_reduce(b.mm(x, w))                       # 2 mm, 3 all_reduce, 4 wait
+    m = b.mm(x, w)                                      # 5: independent
+    first = b.add(wt, m)                                # 6: first consumer of the wait
+    later = b.mm(m, w)                                  # 7
+    gm = b.build(b.add(later, wt), first)               # 8: second consumer, 9 output
+    (info,) = analyze(gm).infos
+    # the value must have arrived by node 6, whatever reads it afterwards
+    assert (info.ready, info.need, info.slack) == (2, 6, 3)
+
+
 def test_returned_wait_is_needed_at_the_output():
     b = GraphBuilder()
     x = b.input("x")                                    # 0

@@ -237,6 +237,19 @@ def test_schedule_moves_wait_after_independent_compute():
     assert report.passes[0]["changed"]
 
 
+def test_schedule_issues_the_collective_right_after_its_input():
+    b = GraphBuilder()
+    x, y, w = b.input("x"), b.input("y"), b.input("w")
+    a = b.mm(x, w)                                      # the all_reduce's input
+    m = b.mm(y, w)                                      # independent, before the AR in
+    wt = b.all_reduce(a)                                # program order
+    gm = b.build(b.add(wt, m))
+    out, _ = run_pipeline(gm, SCHEDULE_ONLY)
+    pos = position(out)
+    # moved up past the independent mm, which now overlaps the all_reduce
+    assert pos[all_reduces(out)[0].name] == pos[a.name] + 1 < pos[m.name]
+
+
 def test_schedule_does_not_cross_a_barrier():
     b = GraphBuilder()
     x, y = b.input("x"), b.input("y")

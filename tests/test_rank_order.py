@@ -22,6 +22,14 @@ def ar(x, op="sum"):
     return funcol.all_reduce(x, op, dist.group.WORLD)
 
 
+def eager(fn, args):
+    """``fn(*args)`` run eagerly with every collective waited for (eager funcol returns
+    in-flight AsyncCollectiveTensors, which must not be shipped back to the parent)."""
+    with torch.no_grad():
+        out = fn(*args)
+    return tuple(t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t for t in out)
+
+
 def sum_bias_then_max(x, y, bias):
     """A row-parallel bias added on rank 0 only, before a sum; an independent max of the same
     size. Rank 0's sum input is ready after the max's: the old schedule swapped them there,
@@ -95,8 +103,7 @@ def _run_case(rank, world, name, codegen):
     torch.set_num_threads(1)
     fn, overrides, _ = CASES[name]
     args = _inputs(rank)
-    with torch.no_grad():
-        want = fn(*args)
+    want = eager(fn, args)
     graphs = []
     cfg = fxcoalesce.Config(codegen=codegen, strict=True, **overrides)
     be = fxcoalesce.backend(cfg, on_graph=lambda b, a, r: graphs.append((a, r)))
@@ -132,3 +139,47 @@ def test_rank_dependent_graphs_eager_codegen(name, world):
 def test_rank_dependent_graphs_inductor(name):
     res = spawn(_run_case, 2, (name, "inductor"), backend="gloo", timeout=300)
     check(name, res, exact=False)  # Inductor may fuse the bias add differently from eager
+
+
+def dependency_differs(x, y, bias):
+    """Rank 0 feeds the first sum into the second, the others do not: rank 1 fuses the two
+    sums and rank 0 cannot. The passes see one rank's graph only; check_ranks must catch it."""
+    a = ar(x * 2)
+    b_in = a * 3 if dist.get_rank() == 0 else x * 3
+    return a, ar(b_in)
+
+
+def _checked_run(rank, world, name, use_env):
+    import os
+
+    torch.set_num_threads(1)
+    fn = dependency_differs if name == "dependency_differs" else CASES[name][0]
+    if use_env:
+        os.environ["FXCOALESCE_CHECK_RANKS"] = "1"
+    cfg = fxcoalesce.Config(codegen="eager", check_ranks=not use_env)
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend=fxcoalesce.backend(cfg), fullgraph=True)
+    try:
+        with torch.no_grad():
+            got = compiled(*_inputs(rank))
+    except fxcoalesce.CollectiveMismatchError as e:
+        return {"error": str(e)}
+    return {"got": got, "want": eager(fn, _inputs(rank))}
+
+
+def test_check_ranks_names_the_first_difference():
+    res = spawn(_checked_run, 2, ("dependency_differs", False), backend="gloo", timeout=300)
+    # every rank raises before running a single data collective, naming the first difference
+    for r in res:
+        assert "error" in r, r
+        assert "collective #0: rank 0 issues all_reduce(sum, 0) -> float32[8, 16]" in r["error"]
+        assert "rank 1 issues all_reduce(sum, 0) -> float32[256]" in r["error"]
+
+
+@pytest.mark.parametrize("name", ["sum_bias_then_max", "rank_branch"])
+def test_check_ranks_passes_rank_dependent_compute(name):
+    res = spawn(_checked_run, 3, (name, True), backend="gloo", timeout=300)
+    for r in res:  # turned on by FXCOALESCE_CHECK_RANKS=1: same sequences, right values
+        assert "got" in r, r
+        for got, want in zip(r["got"], r["want"], strict=True):
+            torch.testing.assert_close(got, want)

@@ -54,3 +54,30 @@ def test_inductor_two_ranks_bit_exact():
     for r in res:
         assert torch.equal(r["with"], r["without"])
     assert all(r["collectives"] == res[0]["collectives"] for r in res)
+
+
+def _two_lengths(rank, world):
+    from fxcoalesce import models
+
+    torch.set_num_threads(1)
+    outs, reports = {}, []
+    for passes in ((), ("bucket", "schedule")):
+        torch._dynamo.reset()
+        model = models.apply_tp(models.build("neox-tiny"), dist.group.WORLD)
+        be = fxcoalesce.backend(fxcoalesce.Config(passes=passes, codegen="eager", strict=True),
+                                on_graph=lambda b, a, r: reports.append(r))
+        step = torch.compile(model, backend=be, fullgraph=True)
+        with torch.no_grad():
+            for n in (5, 8):  # the second length recompiles with symbolic sizes
+                tokens = torch.randint(0, 512, (1, n), generator=torch.Generator().manual_seed(n))
+                outs[passes, n] = step(tokens)
+    return {"outs": outs, "after": [r.all_reduce["after"] for r in reports]}
+
+
+def test_symbolic_sizes_on_real_ranks_bit_exact():
+    res = spawn(_two_lengths, 2, (), backend="gloo")
+    for r in res:
+        # without the pass: 9 launches per graph; with it: 5, static and symbolic alike
+        assert r["after"] == [9, 9, 5, 5]
+        for n in (5, 8):
+            assert torch.equal(r["outs"][(), n], r["outs"][("bucket", "schedule"), n])
