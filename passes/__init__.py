@@ -8,10 +8,12 @@ computes (except floating-point summation order where ``cfg.reassociate`` allows
 from __future__ import annotations
 
 from .bucket import bucket_pass
+from .linearity import linearity_pass
 from .result import PassResult
 from .schedule import schedule_pass
 
 PASSES = {
+    "linearity": linearity_pass,
     "bucket": bucket_pass,
     "schedule": schedule_pass,
 }
@@ -25,4 +27,5 @@ def check_config(cfg) -> None:
         raise ValueError(f"unknown pass name(s) {unknown}; known: {sorted(PASSES)}")
 
 
-__all__ = ["PASSES", "PassResult", "bucket_pass", "check_config", "schedule_pass"]
+__all__ = ["PASSES", "PassResult", "bucket_pass", "check_config", "linearity_pass",
+           "schedule_pass"]

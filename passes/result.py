@@ -15,6 +15,9 @@ class Bucket:
     key: str
     collective: str
     """Name of the new all_reduce node."""
+    kind: str = "cat"
+    """"cat": members concatenated into one buffer (bucket pass); "sum": their partial sums
+    added before one reduction (linearity pass), which also cuts the bytes."""
 
 
 @dataclass(slots=True)

@@ -105,7 +105,7 @@ def test_config_is_frozen():
 
 
 def test_disabled_pass_does_not_run():
-    cfg = Config(disable=("bucket",))
+    cfg = Config(disable=("linearity", "bucket"))
     assert cfg.enabled_passes == ("schedule",)
     out, report = run_pipeline(diamond(), cfg)
     # only the schedule pass ran, so nothing merged
@@ -222,19 +222,19 @@ def test_reports_accumulate_and_serialise():
     data = json.loads(report.to_json())
     assert {"before", "after", "lower_bound", "bytes_before", "bytes_after"} <= set(
         data["all_reduce"])
-    # four 4x4 f32 all_reduces: bucketing saves launches, not bytes
-    assert (data["all_reduce"]["bytes_before"], data["all_reduce"]["bytes_after"]) == (256, 256)
-    assert [p["name"] for p in data["passes"]] == ["bucket", "schedule"]
+    # four 4x4 f32 all_reduces; AR2 + AR3 become one reduction of their sum (linearity)
+    assert (data["all_reduce"]["bytes_before"], data["all_reduce"]["bytes_after"]) == (256, 192)
+    assert [p["name"] for p in data["passes"]] == ["linearity", "bucket", "schedule"]
     assert all(isinstance(p["ms"], float) for p in data["passes"])
     assert set(data["nodes"]) == {"before", "after"}
-    assert data["warnings"] == [] and len(data["buckets"]) == 1
+    assert data["warnings"] == [] and [b["kind"] for b in data["buckets"]] == ["sum"]
 
 
 def test_dump_dir_writes_before_after_and_report(tmp_path):
     run_pipeline(diamond(), Config(dump_dir=str(tmp_path)), name="dumped graph")
     out = tmp_path / "dumped_graph"
     assert sorted(p.name for p in out.iterdir()) == ["after.txt", "before.txt", "report.json"]
-    # the dumps differ exactly by the bucketing
-    assert "cat" in (out / "after.txt").read_text()
-    assert "cat" not in (out / "before.txt").read_text()
+    # the dumps differ by the rewrite: three all_reduces after, four before
+    after, before = (out / "after.txt").read_text(), (out / "before.txt").read_text()
+    assert after.count("all_reduce.default(") == 3 and before.count("all_reduce.default(") == 4
     assert json.loads((out / "report.json").read_text())["graph"] == "dumped graph"

@@ -1,0 +1,195 @@
+"""linearity: a sum of all_reduces becomes the all_reduce of the sum.
+
+Requires: ``cfg.reassociate`` (the partial sums are added before the reduction instead of
+after it, which changes floating-point rounding; with ``reassociate=False`` the pass leaves
+the graph alone). Ensures: in every tree of adds, subtractions and scalings whose leaves
+include two or more waits of all_reduces with one key (same group, same op, sum or avg,
+same dtype) that nothing else reads, those all_reduces become one, of the combined partial
+sums: one launch instead of several, and the bytes of one. Parallel attention + MLP blocks
+and shared + routed experts then match the engines' hand merge in launches and bytes.
+
+    before                                    after
+    %wa = wait(all_reduce(%p, sum, 0))        %s  = add(%p, %q)
+    %wb = wait(all_reduce(%q, sum, 0))        %w  = wait(all_reduce(%s, sum, 0))
+    %h  = add(%x, %wa)                        %o  = add(%x, %w)
+    %o  = add(%h, %wb)
+
+Never fires when a wait has another consumer, when dtypes, groups or ops differ, for ops
+other than sum and avg (both linear), or through a scaling by anything but a Python number
+(a tensor factor might differ between ranks). The new all_reduce takes the issue place of
+the first one it replaces (rank-invariant, see ``graph_order``).
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+from torch.fx import GraphModule, Node
+
+from fxcoalesce.analysis import analyze
+from fxcoalesce.collectives import ALL_REDUCE, WAIT, CommBlock
+from fxcoalesce.config import Config
+from fxcoalesce.graph_order import reorder
+from fxcoalesce.meta import fake_mode_of, propagate_val, tensor_val
+
+from .result import Bucket, PassResult
+
+aten = torch.ops.aten
+LINEAR_OPS = (aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor)
+LINEAR_REDUCTIONS = ("sum", "avg")
+
+
+def _scalar(x) -> bool:
+    return isinstance(x, numbers.Number) and not isinstance(x, bool)
+
+
+def _dtype(node) -> torch.dtype | None:
+    val = tensor_val(node)
+    return val.dtype if val is not None else None
+
+
+def _children(node: Node) -> list[tuple[object, float]] | None:
+    """The terms ``node`` adds up, with their coefficients, or None if it is not linear."""
+    if node.op != "call_function" or node.target not in LINEAR_OPS or len(node.args) != 2:
+        return None
+    a, b = node.args
+    alpha = node.kwargs.get("alpha", 1)
+    if set(node.kwargs) - {"alpha"} or not _scalar(alpha):
+        return None
+    if node.target is aten.add.Tensor and isinstance(a, Node) and isinstance(b, Node):
+        return [(a, 1), (b, alpha)]
+    if node.target is aten.sub.Tensor and isinstance(a, Node) and isinstance(b, Node):
+        return [(a, 1), (b, -alpha)]
+    if node.target is aten.mul.Tensor and isinstance(a, Node) and _scalar(b):
+        return [(a, b)]
+    if node.target is aten.mul.Tensor and _scalar(a) and isinstance(b, Node):
+        return [(b, a)]
+    if node.target is aten.div.Tensor and isinstance(a, Node) and _scalar(b) and b != 0:
+        return [(a, 1 / b)]
+    return None
+
+
+def expand(root: Node) -> tuple[list[Node], dict[Node, float]]:
+    """(internal nodes, leaf -> coefficient): ``root`` as a linear combination of leaves.
+
+    A linear node is expanded into its operands when it is the root or has exactly one user
+    (its parent in the tree) and the root's dtype, so erasing the tree loses nothing.
+    """
+    internal: list[Node] = []
+    leaves: dict[Node, float] = {}
+    dtype = _dtype(root)
+
+    def visit(node: Node, coeff: float, is_root: bool) -> None:
+        terms = _children(node)
+        single = is_root or (len(node.users) == 1 and _dtype(node) == dtype)
+        if terms is None or not single:
+            leaves[node] = leaves.get(node, 0) + coeff
+            return
+        internal.append(node)
+        for child, c in terms:
+            visit(child, coeff * c, False)
+
+    visit(root, 1, True)
+    return internal, leaves
+
+
+def _is_root(node: Node) -> bool:
+    """A linear node that no other linear node of the same dtype absorbs as its only user."""
+    if _children(node) is None:
+        return False
+    if len(node.users) != 1:
+        return True
+    (user,) = node.users
+    return _children(user) is None or _dtype(user) != _dtype(node)
+
+
+def _reducible(block: CommBlock, tree_dtype) -> bool:
+    return (block.key.op in LINEAR_REDUCTIONS and not block.inplace
+            and block.copy_back is None and len(block.wait.users) == 1
+            and block.key.dtype == tree_dtype)
+
+
+class _Emitter:
+    """Appends nodes before ``anchor`` with fake values; remembers them for priorities."""
+
+    def __init__(self, graph, anchor: Node, mode):
+        self.graph, self.anchor, self.mode, self.new = graph, anchor, mode, []
+
+    def __call__(self, target, *args) -> Node:
+        with self.graph.inserting_before(self.anchor):
+            node = self.graph.call_function(target, args)
+        propagate_val(node, self.mode)
+        self.new.append(node)
+        return node
+
+    def combination(self, terms: list[tuple[Node, float]]) -> Node:
+        """sum of coeff * node, with as few ops as the coefficients allow."""
+        total = None
+        for node, c in terms:
+            if total is None:
+                total = node if c == 1 else self(aten.mul.Tensor, node, c)
+            elif c == 1:
+                total = self(aten.add.Tensor, total, node)
+            elif c == -1:
+                total = self(aten.sub.Tensor, total, node)
+            else:
+                total = self(aten.add.Tensor, total, self(aten.mul.Tensor, node, c))
+        return total
+
+
+def linearity_pass(gm: GraphModule, *, cfg: Config) -> PassResult:
+    result = PassResult()
+    if not cfg.reassociate:
+        return result
+    analysis = analyze(gm)
+    by_wait = {b.wait: b for b in analysis.scan.blocks}
+    level = {i.block: i.level for i in analysis.infos}
+    graph = gm.graph
+    mode = fake_mode_of(analysis.order)
+    priority = {n: float(i) for n, i in analysis.order.items()}
+    issue_keys = {n: float(i) for i, n in enumerate(analysis.scan.sequence)}
+    for root in [n for n in graph.nodes if _is_root(n)]:
+        internal, leaves = expand(root)
+        groups: dict = {}
+        for leaf, coeff in leaves.items():
+            block = by_wait.get(leaf)
+            if block is not None and coeff != 0 and _reducible(block, _dtype(root)):
+                groups.setdefault(block.key, []).append(block)
+        groups = {k: v for k, v in groups.items() if len(v) > 1}
+        if not groups:
+            continue
+        emit = _Emitter(graph, root, mode)
+        reduced = []
+        for key, blocks in groups.items():
+            start = len(emit.new)
+            partial = emit.combination([(b.input, leaves[b.wait]) for b in blocks])
+            fused = emit(ALL_REDUCE, partial, key.op, key.group)
+            # issued as soon as its last partial is ready; waited for where the root was
+            last = max(priority[b.input] for b in blocks)
+            issue = emit.new[start:]
+            for j, n in enumerate(issue):
+                priority[n] = last + (j + 1) / (len(issue) + 1)
+            reduced.append(emit(WAIT, fused))
+            issue_keys[fused] = float(min(b.ordinal for b in blocks))
+            result.buckets.append(Bucket(
+                members=[b.collective.name for b in blocks], level=max(map(level.get, blocks)),
+                key=str(key), nbytes=sum(b.nbytes for b in blocks), collective=fused.name,
+                kind="sum"))
+        merged = {b.wait for blocks in groups.values() for b in blocks}
+        rest = [(leaf, c) for leaf, c in leaves.items() if leaf not in merged and c != 0]
+        value = emit.combination(rest + [(w, 1) for w in reduced])
+        tail = [n for n in emit.new if n not in priority]
+        for j, n in enumerate(tail):
+            priority[n] = priority[root] - 1 + (j + 1) / (len(tail) + 1)
+        root.replace_all_uses_with(value)
+        for n in internal:  # root first: each is erased after its only user
+            graph.erase_node(n)
+        for blocks in groups.values():
+            for b in blocks:
+                graph.erase_node(b.wait)
+                graph.erase_node(b.collective)
+    if result.buckets:
+        reorder(graph, priority, set(analysis.barriers), issue_keys)
+        result.changed = True
+    return result
