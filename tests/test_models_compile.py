@@ -13,7 +13,7 @@ from torch._inductor.utils import run_and_get_code
 
 import fxcoalesce
 from fxcoalesce.apps.launch import init_fake_group
-from fxcoalesce.models import apply_tp, build, transformer
+from fxcoalesce.models import apply_tp, build, check_tp, transformer
 from fxcoalesce.apps.trace import trace_model
 
 L = transformer.CONFIGS["neox-tiny"].n_layers
@@ -47,6 +47,27 @@ def test_full_size_falcon_is_linear_and_fast():
     assert times[16] < 1000
     assert times[16] < 3.5 * times[8]
 
+
+@pytest.mark.parametrize("name", ["neox-tiny", "kimi-k2-tiny"])
+@pytest.mark.parametrize("world", [2, 3, 16])
+def test_check_tp_agrees_with_apply_tp(name, world):
+    """The CLI rejects a TP degree by name (models.check_tp) before building anything; a
+    degree it accepts must shard, and one it rejects must fail apply_tp the same way."""
+    try:
+        check_tp(name, world)
+        expected = None
+    except ValueError as e:
+        expected = str(e)
+    group = init_fake_group(world)
+    try:
+        if expected is None:
+            apply_tp(build(name), group)
+        else:
+            with pytest.raises(ValueError) as caught:
+                apply_tp(build(name), group)
+            assert str(caught.value) == expected
+    finally:
+        torch.distributed.destroy_process_group()
 
 def test_inductor_codegen_counts_and_values():
     init_fake_group(2)
