@@ -117,16 +117,11 @@ def demo_worker(rank: int, world: int, opt: DemoOptions) -> dict:
 def run_demo(args) -> int:
     opt = DemoOptions(model=args.model, tokens=args.tokens, codegen=args.codegen,
                       hand_merged=args.hand_merged, device=args.device)
-    if args.tp < 1:
-        raise ValueError("--tp must be at least 1")
-    from fxcoalesce import models
-
-    models.family_of(opt.model)
     t0 = time.perf_counter()
     if args.tp == 1:
         res = [demo_worker(0, 1, opt)]
     else:
-        be = args.backend or (default_backend() if opt.device == "cuda" else "gloo")
+        be = args.backend or default_backend(opt.device, args.tp)
         print(f"starting {args.tp} {be} ranks ...", file=sys.stderr, flush=True)
         res = spawn(demo_worker, args.tp, (opt,), backend=be)
     r = res[0]
