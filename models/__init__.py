@@ -1,7 +1,8 @@
 """Tensor-parallel model zoo: named configs, one build function, one apply_tp.
 
-Each family module (``transformer``, ``deepseek``) has ``CONFIGS``, ``build(name, ...)``
-and ``apply_tp(model, group)``. Models import only torch.
+Each family module (``transformer``, ``deepseek``) has ``CONFIGS``, ``build(name, ...)``,
+``apply_tp(model, group)`` and ``check_tp(args, world)`` (the sizes ``apply_tp`` must split
+evenly). Models import only torch.
 """
 
 from __future__ import annotations
@@ -51,3 +52,10 @@ def apply_tp(model: torch.nn.Module, group) -> torch.nn.Module:
     """Shard ``model`` over ``group`` in place (its family's ``apply_tp``)."""
     fam = importlib.import_module(type(model).__module__)
     return fam.apply_tp(model, group)
+
+
+def check_tp(name: str, world: int) -> None:
+    """Raise ValueError when ``world`` ranks cannot shard ``name`` (``apply_tp``'s own checks),
+    without building it: tools reject a bad TP degree before spawning ranks."""
+    fam = family_of(name)
+    fam.check_tp(fam.CONFIGS[name], world)

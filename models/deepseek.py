@@ -371,6 +371,17 @@ class Transformer(nn.Module):
         return logits, torch.cat([captured[i] for i in capture], -1)
 
 
+def check_tp(args: MoEArgs, world: int) -> None:
+    """Raise ValueError unless ``world`` ranks can split these sizes evenly: what ``apply_tp``
+    requires, checkable before any weight exists."""
+    check_divisible("the attention heads (n_heads)", args.n_heads, world)
+    check_divisible("the routed experts (n_routed_experts)", args.n_routed_experts, world)
+    check_divisible("the vocabulary (vocab)", args.vocab, world)
+    check_divisible("the dense FFN size (inter_dim)", args.inter_dim, world)
+    check_divisible("the shared expert FFN size (n_shared_experts * moe_inter_dim)",
+                    args.n_shared_experts * args.moe_inter_dim, world)
+
+
 def apply_tp(model: Transformer, group: Group) -> Transformer:
     """Shard ``model`` in place over ``group`` (no-op for None): heads, routed experts, FFNs and
     vocabulary split evenly; the router, norms, MLA down-projections and KV cache replicated."""
@@ -378,12 +389,7 @@ def apply_tp(model: Transformer, group: Group) -> Transformer:
         return model
     rank, world = world_of(group)
     args = model.args
-    check_divisible("the attention heads (n_heads)", args.n_heads, world)
-    check_divisible("the routed experts (n_routed_experts)", args.n_routed_experts, world)
-    check_divisible("the vocabulary (vocab)", args.vocab, world)
-    check_divisible("the dense FFN size (inter_dim)", args.inter_dim, world)
-    check_divisible("the shared expert FFN size (n_shared_experts * moe_inter_dim)",
-                    args.n_shared_experts * args.moe_inter_dim, world)
+    check_tp(args, world)
 
     def shard_mlp(mlp: MLP) -> None:
         shard_linear_(mlp.w1, "colwise", rank, world)

@@ -164,14 +164,22 @@ class Transformer(nn.Module):
         return all_gather_last_dim(self.head(self.norm(x)), self.group)
 
 
+def check_tp(args: ModelArgs, world: int) -> None:
+    """Raise ValueError unless ``world`` ranks can split these sizes evenly: what ``apply_tp``
+    requires, checkable before any weight exists (n_kv_heads divides n_heads, so query heads
+    split too)."""
+    check_divisible("the key/value heads", args.n_kv_heads, world)
+    check_divisible("the MLP hidden size", args.inter_dim, world)
+    check_divisible("the vocabulary", args.vocab, world)
+
+
 def apply_tp(model: Transformer, group: Group) -> Transformer:
     """Shard ``model`` in place over ``group``: heads and FFN columns split, vocab split."""
     rank, world = world_of(group)
     if world == 1:
         return model
     a = model.args
-    check_divisible("the key/value heads", a.n_kv_heads, world)
-    check_divisible("the MLP hidden size", a.inter_dim, world)
+    check_tp(a, world)
     model.embed.shard_(group)
     for layer in model.layers:
         att = layer.attn
@@ -184,7 +192,6 @@ def apply_tp(model: Transformer, group: Group) -> Transformer:
                 shard_linear_(lin, "colwise", rank, world)
         shard_linear_(layer.mlp.w2, "rowwise", rank, world)
         layer.group = att.group = layer.mlp.group = group
-    check_divisible("the vocabulary", a.vocab, world)
     shard_linear_(model.head, "colwise", rank, world)
     model.group = group
     return model

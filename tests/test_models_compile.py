@@ -3,17 +3,13 @@
 Counts come from the report and, independently, from Inductor's generated code.
 """
 
-import json
-import subprocess
-import sys
-
 import pytest
 import torch
 from torch._inductor.utils import run_and_get_code
 
 import fxcoalesce
 from fxcoalesce.apps.launch import init_fake_group
-from fxcoalesce.models import apply_tp, build, transformer
+from fxcoalesce.models import apply_tp, build, check_tp, transformer
 from fxcoalesce.apps.trace import trace_model
 
 L = transformer.CONFIGS["neox-tiny"].n_layers
@@ -49,6 +45,27 @@ def test_full_size_falcon_is_linear_and_fast():
     assert times[16] < 3.5 * times[8]
 
 
+@pytest.mark.parametrize("name", ["neox-tiny", "kimi-k2-tiny"])
+@pytest.mark.parametrize("world", [2, 3, 16])
+def test_check_tp_agrees_with_apply_tp(name, world):
+    """The CLI rejects a TP degree by name (models.check_tp) before building anything; a
+    degree it accepts must shard, and one it rejects must fail apply_tp the same way."""
+    try:
+        check_tp(name, world)
+        expected = None
+    except ValueError as e:
+        expected = str(e)
+    group = init_fake_group(world)
+    try:
+        if expected is None:
+            apply_tp(build(name), group)
+        else:
+            with pytest.raises(ValueError) as caught:
+                apply_tp(build(name), group)
+            assert str(caught.value) == expected
+    finally:
+        torch.distributed.destroy_process_group()
+
 def test_inductor_codegen_counts_and_values():
     init_fake_group(2)
     torch.manual_seed(0)
@@ -66,22 +83,3 @@ def test_inductor_codegen_counts_and_values():
     assert fxcoalesce.reports()[-1].all_reduce["after"] == 1 + L
     torch.testing.assert_close(out, eager)
 
-
-def test_cli_inspect_writes_report(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "fxcoalesce.apps.cli", "inspect", "--model",
-                           "neox-tiny", "--tp", "4", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    rep = json.loads((tmp_path / "report.json").read_text())
-    assert (rep["model"], rep["world_size"], rep["tokens"]) == ("neox-tiny", 4, 3)
-    assert rep["all_reduce"]["after"] == rep["all_reduce"]["lower_bound"] == 1 + L
-    assert {"name", "ms"} <= rep["passes"][0].keys()
-    assert "all_reduce" in (tmp_path / "before.txt").read_text()
-    assert (tmp_path / "after.txt").read_text().count("all_reduce.default(") == 1 + L
-
-
-def test_cli_rejects_unknown_model():
-    proc = subprocess.run([sys.executable, "-m", "fxcoalesce.apps.cli", "inspect", "--model",
-                           "no-such-model"], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2
-    assert "unknown model 'no-such-model'" in proc.stderr and "Traceback" not in proc.stderr

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -17,25 +16,10 @@ import torch.distributed as dist
 from fxcoalesce.compiler import backend
 from fxcoalesce.config import Config
 
-from .steps import make_step
 from fxcoalesce.report import reports
 
-
-def _timer(device: torch.device):
-    if device.type == "cuda":
-        def run(fn):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            out = fn()
-            end.record()
-            torch.cuda.synchronize()
-            return out, start.elapsed_time(end) * 1e3
-    else:
-        def run(fn):
-            t = time.perf_counter()
-            out = fn()
-            return out, (time.perf_counter() - t) * 1e6
-    return run
+from .steps import make_step
+from .timing import timed
 
 
 def bench_worker(rank: int, world: int, name: str, tokens: int, steps: int, warmup: int,
@@ -64,14 +48,13 @@ def bench_worker(rank: int, world: int, name: str, tokens: int, steps: int, warm
         "with pass": torch.compile(fn_with, backend=backend(Config(codegen=codegen)),
                                    fullgraph=True),
     }
-    timer = _timer(dev)
     times = {k: [] for k in variants}
     outs = {}
     with torch.no_grad():
         for i in range(warmup + steps):
             for k, f in variants.items():
                 dist.barrier()
-                outs[k], us = timer(lambda: f(*args))
+                outs[k], us = timed(lambda: f(*args), dev)
                 if i >= warmup:
                     times[k].append(us)
     a, b = outs.values()

@@ -8,6 +8,7 @@ import logging
 import sys
 from pathlib import Path
 
+from fxcoalesce.apps import checks
 from fxcoalesce.config import Config
 
 
@@ -25,8 +26,6 @@ def cmd_inspect(args) -> int:
         for name in models.model_names():
             print(name)
         return 0
-    if not args.model:
-        raise SystemExit("fxcoalesce inspect: --model is required (see --list)")
     cfg = Config(bucket_cap_mb=args.bucket_cap_mb)
     print(f"tracing {args.model} step={args.step} tp={args.tp} tokens={args.tokens} "
           "under fake tensors ...", file=sys.stderr)
@@ -67,13 +66,15 @@ def cmd_inspect(args) -> int:
 
 def cmd_bench(args) -> int:
     from fxcoalesce.apps.bench import bench_worker
-    from fxcoalesce.apps.launch import spawn
+    from fxcoalesce.apps.launch import default_backend, spawn
 
-    print(f"bench {args.model} TP={args.tp} tokens={args.tokens}: {args.warmup} warm-up + "
-          f"{args.steps} timed steps per variant, compiling ...", file=sys.stderr)
+    be = args.backend or default_backend(args.device, args.tp)
+    print(f"bench {args.model} TP={args.tp} tokens={args.tokens}: starting {args.tp} {be} "
+          f"ranks, {args.warmup} warm-up + {args.steps} timed steps per variant, compiling ...",
+          file=sys.stderr)
     res = spawn(bench_worker, args.tp, (args.model, args.tokens, args.steps, args.warmup,
                                         args.codegen, args.hand_merged, args.device),
-                backend=args.backend)
+                backend=be)
     r0 = res[0]
     print(f"{args.model} TP={args.tp} ({r0['backend']}, {r0['device']}, codegen "
           f"{args.codegen}), tokens={args.tokens}")
@@ -100,48 +101,93 @@ def cmd_demo(args) -> int:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fxcoalesce", description=__doc__)
-    p.add_argument("-v", "--verbose", action="store_true", help="log each graph's report")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="log each graph's report; show a failed rank's traceback")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     i = sub.add_parser("inspect", help="trace a named model under fake tensors and show "
                                        "what the pipeline does")
-    i.add_argument("--model", help="model name (see --list)")
-    i.add_argument("--list", action="store_true", help="list the model names")
-    i.add_argument("--tp", type=int, default=8, help="tensor-parallel world size")
-    i.add_argument("--tokens", type=int, default=3, help="tokens in the traced step")
-    i.add_argument("--step", default="forward", choices=["forward", "verify"])
+    i.add_argument("--model", help="model name (required; --list names them)")
+    i.add_argument("--list", action="store_true", help="list the model names and exit")
+    i.add_argument("--tp", type=int, default=8,
+                   help="tensor-parallel world size, traced on a fake group (default: %(default)s)")
+    i.add_argument("--tokens", type=int, default=3,
+                   help="tokens in the traced step (default: %(default)s)")
+    i.add_argument("--step", default="forward", choices=["forward", "verify"],
+                   help="forward: prefill; verify: EAGLE-3 tree verification, KV-cached models "
+                        "only (default: %(default)s)")
     i.add_argument("--hand-merged", action="store_true",
-                   help="the engines' hand-merged model code (baseline)")
-    i.add_argument("--layers", type=int, help="override the model's layer count")
-    i.add_argument("--bucket-cap-mb", type=float, default=Config().bucket_cap_mb)
-    i.add_argument("--out", help="directory for report.json, before.txt, after.txt")
-    i.set_defaults(fn=cmd_inspect)
+                   help="trace the engines' hand-merged model code instead (the baseline)")
+    i.add_argument("--layers", type=int,
+                   help="override the model's number of layers (default: the model's own)")
+    i.add_argument("--bucket-cap-mb", type=float, default=Config().bucket_cap_mb,
+                   help="largest fused all_reduce, in MB (default: %(default)s)")
+    i.add_argument("--out", help="directory to write report.json, before.txt and after.txt "
+                                 "into, created if missing (default: write nothing)")
+    i.set_defaults(fn=cmd_inspect, check=checks.check_inspect)
 
     b = sub.add_parser("bench", help="step latency with and without the pass on real ranks")
-    b.add_argument("--model", default="neox-tiny")
-    b.add_argument("--tp", type=int, default=2)
-    b.add_argument("--tokens", type=int, default=8)
-    b.add_argument("--steps", type=int, default=50)
-    b.add_argument("--warmup", type=int, default=5)
-    b.add_argument("--codegen", default="inductor", choices=["inductor", "eager"])
-    b.add_argument("--hand-merged", action="store_true")
-    b.add_argument("--backend", choices=["gloo", "nccl"], help="default: nccl with >= 2 GPUs")
-    b.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    b.add_argument("--out", help="write all ranks' results as JSON here")
-    b.set_defaults(fn=cmd_bench)
+    b.add_argument("--model", default="neox-tiny", help="model name (default: %(default)s)")
+    b.add_argument("--tp", type=int, default=2,
+                   help="ranks, one process each (default: %(default)s)")
+    b.add_argument("--tokens", type=int, default=8,
+                   help="tokens per forward step (default: %(default)s)")
+    b.add_argument("--steps", type=int, default=50,
+                   help="timed steps per variant (default: %(default)s)")
+    b.add_argument("--warmup", type=int, default=5,
+                   help="untimed steps per variant first (default: %(default)s)")
+    b.add_argument("--codegen", default="inductor", choices=["inductor", "eager"],
+                   help="code generator for both variants (default: %(default)s)")
+    b.add_argument("--hand-merged", action="store_true",
+                   help="benchmark the engines' hand-merged model code instead")
+    b.add_argument("--backend", choices=["gloo", "nccl"],
+                   help="process group backend (default: nccl with --device cuda and a GPU "
+                        "per rank, else gloo)")
+    b.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="where weights and activations live (default: %(default)s)")
+    b.add_argument("--out", help="JSON file for all ranks' results (default: write nothing)")
+    b.set_defaults(fn=cmd_bench, check=checks.check_bench)
 
     d = sub.add_parser("demo", help="EAGLE-3 speculative decoding with the verify step "
                                     "compiled through fxcoalesce")
-    d.add_argument("--model", default="kimi-k2-tiny")
-    d.add_argument("--tp", type=int, default=2, help="ranks (gloo processes on CPU)")
-    d.add_argument("--tokens", type=int, default=32, help="new tokens to generate")
+    d.add_argument("--model", default="kimi-k2-tiny",
+                   help="target model, KV-cached (default: %(default)s)")
+    d.add_argument("--tp", type=int, default=2,
+                   help="ranks, one process each; 1 runs in this process (default: %(default)s)")
+    d.add_argument("--tokens", type=int, default=32,
+                   help="new tokens to generate, at least 2 (default: %(default)s)")
     d.add_argument("--backend", choices=["gloo", "nccl"],
-                   help="default: gloo on CPU, nccl with --device cuda and >= 2 GPUs")
-    d.add_argument("--codegen", default="inductor", choices=["inductor", "eager"])
-    d.add_argument("--hand-merged", action="store_true")
-    d.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    d.set_defaults(fn=cmd_demo)
+                   help="process group backend (default: nccl with --device cuda and a GPU "
+                        "per rank, else gloo)")
+    d.add_argument("--codegen", default="inductor", choices=["inductor", "eager"],
+                   help="code generator for both verify variants (default: %(default)s)")
+    d.add_argument("--hand-merged", action="store_true",
+                   help="use the engines' hand-merged model code as the target")
+    d.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="where weights and activations live (default: %(default)s)")
+    d.set_defaults(fn=cmd_demo, check=checks.check_demo)
     return p
+
+
+def _error(cmd: str, message: str) -> None:
+    print(f"fxcoalesce {cmd}: error: {message}", file=sys.stderr)
+
+
+def _run(args) -> int:
+    """Run the checked subcommand; a failed rank becomes one line and exit status 1 (a
+    failure at run time, not bad input), with its traceback first under -v."""
+    from fxcoalesce.apps.launch import RankError
+
+    try:
+        return args.fn(args)
+    except RankError as e:
+        hint = ""
+        if args.verbose:
+            print(e.traceback, end="", file=sys.stderr)
+        elif e.traceback:
+            hint = f" (fxcoalesce -v {args.cmd} ... shows its traceback)"
+        _error(args.cmd, str(e).splitlines()[0] + hint)
+        return 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -149,9 +195,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(name)s: %(message)s")
     try:
-        return args.fn(args)
-    except ValueError as e:  # bad input from the user: a message, not a stack trace
-        print(f"fxcoalesce {args.cmd}: error: {e}", file=sys.stderr)
+        args.check(args)
+        return _run(args)
+    except ValueError as e:  # bad input, found by the checks or in this process: one line
+        _error(args.cmd, str(e))
         return 2
 
 

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from fxcoalesce.compiler import backend
 from fxcoalesce.config import Config
 from .launch import default_backend, spawn
+from .timing import timed
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -42,16 +43,6 @@ class DemoOptions:
     """Use the engines' hand-merged model code as the target."""
     device: str = "cpu"
     """"cpu" or "cuda"."""
-
-
-def _timed(fn, cuda: bool):
-    if cuda:
-        torch.cuda.synchronize()
-    t = time.perf_counter()
-    out = fn()
-    if cuda:
-        torch.cuda.synchronize()
-    return out, (time.perf_counter() - t) * 1e6
 
 
 def demo_worker(rank: int, world: int, opt: DemoOptions) -> dict:
@@ -89,7 +80,7 @@ def demo_worker(rank: int, world: int, opt: DemoOptions) -> dict:
         for k, fn in variants.items():
             if not times[k]:
                 say(f"  compiling the verify step {k} ({opt.codegen}) ...")
-            outs[k], us = _timed(lambda: fn(*args), cuda)
+            outs[k], us = timed(lambda: fn(*args), dev)
             times[k].append(us)
         a, b = outs.values()
         same.append(bool(torch.equal(a[0], b[0])))
@@ -126,16 +117,11 @@ def demo_worker(rank: int, world: int, opt: DemoOptions) -> dict:
 def run_demo(args) -> int:
     opt = DemoOptions(model=args.model, tokens=args.tokens, codegen=args.codegen,
                       hand_merged=args.hand_merged, device=args.device)
-    if args.tp < 1:
-        raise ValueError("--tp must be at least 1")
-    from fxcoalesce import models
-
-    models.family_of(opt.model)
     t0 = time.perf_counter()
     if args.tp == 1:
         res = [demo_worker(0, 1, opt)]
     else:
-        be = args.backend or (default_backend() if opt.device == "cuda" else "gloo")
+        be = args.backend or default_backend(opt.device, args.tp)
         print(f"starting {args.tp} {be} ranks ...", file=sys.stderr, flush=True)
         res = spawn(demo_worker, args.tp, (opt,), backend=be)
     r = res[0]

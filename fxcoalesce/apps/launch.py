@@ -3,14 +3,17 @@
     results = spawn(worker, world_size=2, args=(cfg,))   # worker(rank, world_size, *args)
 
 Each worker runs in its own process with the default process group initialised; the
-return values come back in rank order.
+return values come back in rank order. If a rank fails, the others are stopped and the
+first failure is raised as ``RankError`` (type and message; the rank's traceback attached).
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import time
 import traceback
+from queue import Empty
 
 import torch
 import torch.distributed as dist
@@ -23,9 +26,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def default_backend() -> str:
-    """NCCL when every rank can have its own GPU, else gloo (CPU or host-staged CUDA)."""
-    return "nccl" if torch.cuda.device_count() >= 2 else "gloo"
+def default_backend(device: str = "cuda", world_size: int = 2) -> str:
+    """NCCL when the job runs on CUDA and every rank can have its own GPU, else gloo (CPU, or
+    CUDA tensors staged through the host)."""
+    return "nccl" if device == "cuda" and torch.cuda.device_count() >= world_size else "gloo"
+
+
+class RankError(RuntimeError):
+    """A rank of :func:`spawn` failed: the first failure's rank, exception type (empty when
+    the process died or timed out rather than raising) and message; ``.traceback`` is the
+    traceback text from the rank's process, when there is one."""
+
+    def __init__(self, rank: int, kind: str, message: str, traceback: str = ""):
+        super().__init__(f"rank {rank}: {kind + ': ' if kind else ''}{message}")
+        self.rank, self.kind, self.message, self.traceback = rank, kind, message, traceback
 
 
 def _entry(rank, world_size, port, backend, fn, args, queue, done):
@@ -36,19 +50,66 @@ def _entry(rank, world_size, port, backend, fn, args, queue, done):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}",
                                 rank=rank, world_size=world_size)
-        try:
-            queue.put((rank, True, fn(rank, world_size, *args)))
-        finally:
-            dist.destroy_process_group()
-    except BaseException:
-        queue.put((rank, False, traceback.format_exc()))
+        queue.put((rank, None, fn(rank, world_size, *args)))
+        dist.destroy_process_group()
+    except BaseException as e:  # reported before any teardown that could block on peers
+        queue.put((rank, (type(e).__name__, str(e), traceback.format_exc()), None))
     done.wait(timeout=600)  # tensors in the result are shared memory: live until received
+
+
+def _dead(procs, received, within: float = 0.0):
+    """(rank, failure) of a rank whose process ended without reporting (killed, crashed in
+    C++), waiting up to ``within`` seconds for one to show; None if there is none."""
+    end = time.monotonic() + within
+    while True:
+        for rank, p in enumerate(procs):
+            if rank not in received and p.exitcode is not None:
+                return rank, ("", f"its process exited with code {p.exitcode} before returning "
+                              "a result", "")
+        if time.monotonic() >= end:
+            return None
+        time.sleep(0.05)
+
+
+def _next_report(queue, procs, received, deadline: float):
+    """The next (rank, failure, result): from ``queue``, or a failure for a rank that died
+    without reporting, or for the first silent rank once ``deadline`` has passed."""
+    while True:
+        dead = _dead(procs, received)
+        if dead:
+            return *dead, None
+        left = deadline - time.monotonic()
+        if left <= 0:
+            rank = next(r for r in range(len(procs)) if r not in received)
+            return rank, ("", "no result within spawn's timeout", ""), None
+        try:
+            return queue.get(timeout=min(left, 1.0))
+        except Empty:
+            continue
+
+
+def _stop(procs, failed: bool) -> None:
+    """Let finished ranks exit; after a failure, terminate the others at once (they may be
+    blocked in a collective waiting for the failed rank) and kill any that ignore it."""
+    if failed:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+    for p in procs:
+        p.join(timeout=5 if failed else 60)
+        if p.is_alive():
+            p.kill()
+            p.join()
 
 
 def spawn(fn, world_size: int, args: tuple = (), backend: str | None = None,
           timeout: float = 1800.0) -> list:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes; return results."""
-    backend = backend or default_backend()
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes; return results.
+
+    The first rank to fail (raise, die, or not answer within ``timeout`` seconds overall) is
+    raised as :class:`RankError`, after every other rank has been stopped.
+    """
+    backend = backend or default_backend(world_size=world_size)
     ctx = mp.get_context("spawn")
     queue, done = ctx.Queue(), ctx.Event()
     port = free_port()
@@ -56,22 +117,20 @@ def spawn(fn, world_size: int, args: tuple = (), backend: str | None = None,
              for r in range(world_size)]
     for p in procs:
         p.start()
-    results, errors = {}, []
+    deadline = time.monotonic() + timeout
+    results, failure = {}, None
     try:
-        for _ in procs:
-            rank, ok, value = queue.get(timeout=timeout)
-            if not ok:
-                errors.append(f"rank {rank}:\n{value}")
-                break
-            results[rank] = value
+        while failure is None and len(results) < world_size:
+            rank, failure, value = _next_report(queue, procs, results, deadline)
+            if failure is None:
+                results[rank] = value
+            else:  # a peer's death surfaces as errors in the others' collectives: blame it
+                rank, failure = _dead(procs, results, within=1.0) or (rank, failure)
     finally:
         done.set()
-        for p in procs:
-            p.join(timeout=5 if errors else 60)
-            if p.is_alive():
-                p.kill()
-    if errors:
-        raise RuntimeError("a rank failed:\n" + "\n".join(errors))
+        _stop(procs, failed=failure is not None or len(results) < world_size)
+    if failure is not None:
+        raise RankError(rank, *failure)
     return [results[r] for r in range(world_size)]
 
 

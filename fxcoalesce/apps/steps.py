@@ -43,3 +43,11 @@ def make_step(model: torch.nn.Module, step: str, tokens: int, prefix: int = 64):
         return verify_step(model, tokens, input_pos, cache_pos, mask)[0]
 
     return logits_of, (torch.zeros(1, tokens, dtype=torch.long), input_pos, cache_pos, mask)
+
+
+def steps_for(name: str) -> tuple[str, ...]:
+    """The steps :func:`make_step` offers for model ``name``, known before building it (as the
+    CLI checks need): "verify" needs a KV cache, i.e. a model class with ``setup_cache``."""
+    from fxcoalesce import models
+
+    return STEPS if hasattr(models.family_of(name).Transformer, "setup_cache") else ("forward",)

@@ -1,0 +1,115 @@
+"""Checks of each subcommand's arguments, run right after parsing and before any trace,
+model build or spawned rank: a mistake costs a second and one line, not a traceback from
+inside a rank minutes later.
+
+Each ``check_<command>(args)`` raises ``ValueError`` naming the mistake; the CLI prints it as
+``fxcoalesce <command>: error: ...`` and exits 2. They read the model registry (names, sizes)
+and ask torch how many GPUs it sees, but build nothing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fxcoalesce.config import Config
+
+
+def _at_least(minimum: int, why: str = "", **options: int) -> None:
+    """Each ``--option`` (given by keyword) must be >= ``minimum``; ``why`` is added to the
+    message when the reason is not obvious."""
+    for name, value in options.items():
+        if value < minimum:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least {minimum}, "
+                             f"not {value}{f' ({why})' if why else ''}")
+
+
+def _model(name: str, tp: int, step: str) -> None:
+    """``name`` is known, ``tp`` ranks can shard it (its ``apply_tp`` rules) and it has ``step``."""
+    from fxcoalesce import models
+
+    from .steps import steps_for
+
+    models.family_of(name)  # "unknown model ...; choose one of: ..."
+    if step not in steps_for(name):
+        cached = [m for m in models.model_names() if step in steps_for(m)]
+        raise ValueError(f"{name} has no {step!r} step (it needs a KV-cached model: "
+                         f"{', '.join(cached)})")
+    try:
+        models.check_tp(name, tp)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
+
+
+def _gpus(device: str, backend: str | None, tp: int) -> None:
+    """``--device cuda`` needs CUDA; ``--backend nccl`` needs CUDA tensors and a GPU per rank."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if device == "cuda" and not cuda:
+        raise ValueError("--device cuda: torch sees no CUDA GPU (use --device cpu)")
+    if backend != "nccl":
+        return
+    if not cuda:
+        raise ValueError("--backend nccl: torch sees no CUDA GPU, and NCCL needs one per rank "
+                         "(use --backend gloo)")
+    if device != "cuda":
+        raise ValueError("--backend nccl needs --device cuda (NCCL reduces GPU tensors only)")
+    if torch.cuda.device_count() < tp:
+        raise ValueError(f"--backend nccl needs a GPU per rank: --tp {tp}, but torch sees "
+                         f"{torch.cuda.device_count()} (use --backend gloo to share them)")
+
+
+def _no_file_above(out: str, path: Path) -> None:
+    """The directories up to ``path`` exist or can be made: no file where one should be."""
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise ValueError(f"--out {out}: {existing} is a file, not a directory")
+
+
+def _can_make_dir(out: str) -> None:
+    """``out`` is a directory or can become one (inspect writes three files into it)."""
+    if Path(out).is_file():
+        raise ValueError(f"--out {out} is a file; inspect writes a directory (report.json, "
+                         "before.txt, after.txt)")
+    _no_file_above(out, Path(out))
+
+
+def _can_write_file(out: str) -> None:
+    """``out`` can be written as a file (bench writes one JSON file)."""
+    if Path(out).is_dir():
+        raise ValueError(f"--out {out} is a directory; bench writes one JSON file")
+    _no_file_above(out, Path(out).parent)
+
+
+def check_inspect(args) -> None:
+    if args.list:
+        return
+    if not args.model:
+        raise ValueError("--model is required (--list names the models)")
+    _at_least(1, tp=args.tp, tokens=args.tokens)
+    if args.layers is not None:
+        _at_least(1, layers=args.layers)
+    try:
+        Config(bucket_cap_mb=args.bucket_cap_mb)
+    except ValueError as e:
+        raise ValueError(f"--bucket-cap-mb: {e}") from None
+    if args.out:
+        _can_make_dir(args.out)
+    _model(args.model, args.tp, args.step)
+
+
+def check_bench(args) -> None:
+    _at_least(1, tp=args.tp, tokens=args.tokens, steps=args.steps)
+    _at_least(0, warmup=args.warmup)
+    if args.out:
+        _can_write_file(args.out)
+    _model(args.model, args.tp, "forward")
+    _gpus(args.device, args.backend, args.tp)
+
+
+def check_demo(args) -> None:
+    _at_least(1, tp=args.tp)
+    _at_least(2, "the first new token comes from the prefill, the others from verify steps",
+              tokens=args.tokens)
+    _model(args.model, args.tp, "verify")
+    _gpus(args.device, args.backend, args.tp)
