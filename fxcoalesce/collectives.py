@@ -232,6 +232,20 @@ def group_of(node: Node) -> str | None:
     return group if isinstance(group, str) else None
 
 
+def group_setup(scan: CommScan) -> tuple[int | None, str | None]:
+    """(world size, backend name) of the group of the graph's first analysed all_reduce, or
+    (None, None) when it has none or its group name does not resolve here."""
+    import torch.distributed as dist
+
+    for block in scan.blocks:
+        try:
+            group = dist.distributed_c10d._resolve_process_group(block.key.group)
+            return group.size(), dist.get_backend(group)
+        except Exception:  # unknown group names (hand-built graphs): nothing to model
+            return None, None
+    return None, None
+
+
 def describe(node: Node) -> str:
     """One collective as peers must match it: kind, scalar arguments, dtypes and shapes."""
     target = op_of(node)

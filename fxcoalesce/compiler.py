@@ -11,6 +11,7 @@ import copy
 import hashlib
 import os
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -20,9 +21,11 @@ from torch.fx import Graph
 from .collectives import issue_sequence
 from .config import Config
 from .pipeline import next_graph_name, run_pipeline
-from .rank_check import checked
+from .rank_check import checked, has_peers
 
 CHECK_RANKS_ENV = "FXCOALESCE_CHECK_RANKS"
+OVERLAP_PATCHES = {"reorder_for_compute_comm_overlap": True,
+                   "reorder_for_compute_comm_overlap_passes": ["sink_waits", "raise_comms"]}
 
 
 def env_flag(name: str) -> bool:
@@ -71,38 +74,55 @@ def backend(config: Config | None = None, *, on_graph: Callable | None = None,
     cfg = config or Config()
     check_config(cfg)
     base = inductor_patches(mode, options, cfg.codegen)
+    if cfg.inductor_overlap and cfg.codegen == "inductor":
+        base = {**OVERLAP_PATCHES, **base}
     check_ranks = cfg.check_ranks or env_flag(CHECK_RANKS_ENV)
 
     def compile_graph(gm, example_inputs, *, mode=None, options=None):
         patches = {**base, **inductor_patches(mode, options, cfg.codegen)}
         name = next_graph_name()
-        sequences = []
 
-        def rewrite(graph_module):
-            new, report = run_pipeline(graph_module, cfg, name=name)
-            sequences.append(issue_sequence(new.graph))
-            if on_graph is not None:
-                on_graph(graph_module, new, report)
-            return new
+        def build(config: Config):
+            sequences, reports = [], []
 
-        if cfg.codegen == "eager":
-            compiled = _eager(rewrite)(gm, example_inputs)
-        else:
-            from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+            def rewrite(graph_module):
+                new, report = run_pipeline(graph_module, config, name=name)
+                sequences.append(issue_sequence(new.graph))
+                reports.append(report)
+                if on_graph is not None:
+                    on_graph(graph_module, new, report)
+                return new
 
-            def inner_compile(graph_module, inputs, **kwargs):
-                return compile_fx_inner(rewrite(graph_module), inputs, **kwargs)
+            return _codegen(gm, example_inputs, rewrite, config, patches), sequences, reports
 
-            # Inductor's caches key on its config, not on inner_compile: a hit would skip the
-            # pipeline (and its report), or serve a graph compiled without it. Keep them off
-            # here; ``inductor_pass`` is the cache-friendly route (its uuid() joins the key).
-            with torch._functorch.config.patch(enable_autograd_cache=False), \
-                    torch._inductor.config.patch(fx_graph_cache=False):
-                compiled = compile_fx(gm, example_inputs, inner_compile=inner_compile,
-                                      config_patches=patches or None)
-        return checked(compiled, name, sequences) if check_ranks else compiled
+        compiled, sequences, reports = build(cfg)
+        local = any(r.local_decisions for r in reports) and has_peers(sequences)
+        if not (check_ranks or local):
+            return compiled
+        # choices that read this rank's compute are agreed on at the first call; if ranks
+        # differ, all of them fall back to merging every group (rank-invariant by itself)
+        fallback = (lambda: build(replace(cfg, slack_aware=False))[:2]) if local else None
+        return checked(compiled, name, sequences, fallback=fallback)
 
     return compile_graph
+
+
+def _codegen(gm, example_inputs, rewrite, cfg: Config, patches: dict):
+    """Compile ``gm`` with ``rewrite`` applied to its ATen graph (Inductor or eager)."""
+    if cfg.codegen == "eager":
+        return _eager(rewrite)(gm, example_inputs)
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    def inner_compile(graph_module, inputs, **kwargs):
+        return compile_fx_inner(rewrite(graph_module), inputs, **kwargs)
+
+    # Inductor's caches key on its config, not on inner_compile: a hit would skip the
+    # pipeline (and its report), or serve a graph compiled without it. Keep them off here;
+    # ``inductor_pass`` is the cache-friendly route (its uuid() joins the cache key).
+    with torch._functorch.config.patch(enable_autograd_cache=False), \
+            torch._inductor.config.patch(fx_graph_cache=False):
+        return compile_fx(gm, example_inputs, inner_compile=inner_compile,
+                          config_patches=patches or None)
 
 
 def _eager(rewrite):
@@ -157,7 +177,9 @@ class FxCoalescePass(CustomGraphPass):
     def __init__(self, config: Config | None = None):
         from fxcoalesce.passes import check_config
 
-        self.config = config or Config()
+        # Inductor calls this pass once per rank with no chance to agree across ranks, so
+        # choices must not read compute estimates here (see Config.slack_aware)
+        self.config = replace(config or Config(), slack_aware=False)
         check_config(self.config)
         if self.config.check_ranks:
             raise ValueError("Config(check_ranks=True) needs the fxcoalesce backend "

@@ -6,40 +6,148 @@ every entry point calls, so a typo fails when the backend is made, not at the fi
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 DEFAULT_PASSES = ("linearity", "bucket", "schedule")
 
 
+class ProfileError(ValueError):
+    """A cost profile that cannot be used: missing, malformed, or made for another setup."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Segment:
+    """One piece of a piecewise alpha-beta fit: t = alpha + beta * bytes up to ``up_to_bytes``."""
+
+    up_to_bytes: int
+    alpha_us: float
+    beta_us_per_byte: float
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CommProfile:
+    """Measured all_reduce latency of one setup (``fxcoalesce calibrate`` writes it)."""
+
+    backend: str
+    device: str
+    world_size: int
+    alpha_us: float
+    """Fixed cost of one all_reduce (µs), from the single-line fit."""
+    beta_us_per_byte: float
+    """Cost per byte (µs/B), from the single-line fit."""
+    segments: tuple[Segment, ...] = ()
+    """Piecewise fit used for predictions (the single line when empty)."""
+    nccl_mode: str | None = None
+    source: str = ""
+    """Where it was read from."""
+
+    def all_reduce_us(self, nbytes: int) -> float:
+        for seg in self.segments:
+            if nbytes <= seg.up_to_bytes:
+                return seg.alpha_us + seg.beta_us_per_byte * nbytes
+        last = self.segments[-1] if self.segments else self
+        return last.alpha_us + last.beta_us_per_byte * nbytes
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CostModel:
-    """Alpha-beta ring all_reduce time, after NCCL's tuner (see ``comm_analysis.py``).
+    """What the passes and the report predict time with.
 
-    ``t = base_us + 2(n-1)·hop_us + 2(n-1)/n · bytes / bandwidth``. The defaults are NCCL's
-    Simple-protocol PCIe latencies and a PCIe 4.0 x16 bus bandwidth.
+    Communication: a calibrated :class:`CommProfile` when given, else a ring all_reduce after
+    NCCL's tuner (``comm_analysis.py``): ``t = base_us + 2(n-1)·hop_us + 2(n-1)/n · bytes /
+    bandwidth`` with NCCL's Simple-protocol PCIe latencies and a PCIe 4.0 x16 bandwidth.
+    Compute: a roofline per graph node, ``max(flops / peak, bytes / memory bandwidth)``, plus a
+    launch cost for each node that becomes a kernel of its own (matmuls, attention).
     """
 
     base_us: float = 8.4
-    """Fixed launch latency of one collective (µs)."""
+    """Fixed launch latency of one collective (µs), ring model."""
     hop_us: float = 5.7
     """Latency per ring hop (µs); a ring all_reduce makes 2(n-1) hops."""
     bandwidth_gbps: float = 20.0
-    """Bus bandwidth in GB/s."""
+    """Bus bandwidth in GB/s, ring model."""
+    profile: CommProfile | None = None
+    """Calibrated all_reduce latency; replaces the ring model (``CostModel.from_profile``)."""
+    peak_tflops: float | None = None
+    """Compute roofline: attainable TFLOP/s (None: a default for the graph's device)."""
+    memory_gbps: float | None = None
+    """Compute roofline: attainable memory bandwidth in GB/s (None: device default)."""
+    kernel_us: float | None = None
+    """Launch cost of one kernel in µs (None: device default)."""
 
     def __post_init__(self):
-        if not all(math.isfinite(v) for v in (self.base_us, self.hop_us, self.bandwidth_gbps)):
+        compute = [v for v in (self.peak_tflops, self.memory_gbps, self.kernel_us)
+                   if v is not None]
+        values = (self.base_us, self.hop_us, self.bandwidth_gbps, *compute)
+        if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in values):
             raise ValueError("CostModel values must be finite numbers")
-        if self.base_us < 0 or self.hop_us < 0 or self.bandwidth_gbps <= 0:
-            raise ValueError("CostModel latencies must be >= 0 and bandwidth > 0")
+        positive = [self.bandwidth_gbps] + [v for v in (self.peak_tflops, self.memory_gbps)
+                                            if v is not None]
+        if min(values) < 0 or min(positive) <= 0:
+            raise ValueError("CostModel latencies must be >= 0 and bandwidths/peaks > 0")
 
     def all_reduce_us(self, nbytes: int, world_size: int) -> float:
         """Predicted time of one all_reduce of ``nbytes`` over ``world_size`` ranks."""
+        if self.profile is not None:
+            return self.profile.all_reduce_us(nbytes)
         n = max(world_size, 1)
         if n == 1:
             return 0.0
         wire = 2 * (n - 1) / n * nbytes
         return self.base_us + 2 * (n - 1) * self.hop_us + wire / (self.bandwidth_gbps * 1e3)
+
+    def check_setup(self, world_size: int | None, backend: str | None) -> None:
+        """Raise :class:`ProfileError` if the profile was measured for another setup."""
+        p = self.profile
+        if p is None:
+            return
+        if world_size is not None and p.world_size != world_size:
+            raise ProfileError(f"cost profile {p.source or ''} was measured at world size "
+                               f"{p.world_size}, but this graph runs on {world_size} ranks; "
+                               f"calibrate with --tp {world_size}")
+        if backend is not None and backend != "fake" and p.backend != backend:
+            raise ProfileError(f"cost profile {p.source or ''} was measured with {p.backend}, "
+                               f"but this graph's group uses {backend}")
+
+    @classmethod
+    def from_profile(cls, path: str | Path) -> CostModel:
+        """The model in a ``profile.json`` written by ``fxcoalesce calibrate``."""
+        return cls(**_read_profile(Path(path)))
+
+
+def _read_profile(path: Path) -> dict:
+    hint = "make one with `fxcoalesce calibrate --tp N --out PATH`"
+    if not path.is_file():
+        raise ProfileError(f"cost profile {path}: no such file; {hint}")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ProfileError(f"cost profile {path}: not valid JSON ({e}); {hint}") from None
+    need = {"backend", "device", "world_size", "alpha_us", "beta_us_per_byte"}
+    if not isinstance(data, dict) or not need <= set(data):
+        missing = sorted(need - set(data)) if isinstance(data, dict) else sorted(need)
+        raise ProfileError(f"cost profile {path}: missing {missing}; {hint}")
+    try:
+        segments = tuple(Segment(up_to_bytes=int(s["up_to_bytes"]), alpha_us=float(s["alpha_us"]),
+                                 beta_us_per_byte=float(s["beta_us_per_byte"]))
+                         for s in data.get("segments", ()))
+        profile = CommProfile(
+            backend=str(data["backend"]), device=str(data["device"]),
+            world_size=int(data["world_size"]), alpha_us=float(data["alpha_us"]),
+            beta_us_per_byte=float(data["beta_us_per_byte"]), segments=segments,
+            nccl_mode=data.get("nccl_mode"), source=str(path))
+        compute = {k: float(v) for k, v in data.get("compute", {}).items()
+                   if k in ("peak_tflops", "memory_gbps", "kernel_us")}
+    except (TypeError, ValueError, KeyError) as e:
+        raise ProfileError(f"cost profile {path}: bad value ({e}); {hint}") from None
+    numbers = [profile.alpha_us, profile.beta_us_per_byte, *compute.values()] + [
+        v for s in segments for v in (s.alpha_us, s.beta_us_per_byte)]
+    if not all(math.isfinite(v) and v >= 0 for v in numbers) or profile.world_size < 1:
+        raise ProfileError(f"cost profile {path}: values must be finite and >= 0; {hint}")
+    return {"profile": profile, **compute}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -62,6 +170,17 @@ class Config:
     """Backend code generator: "inductor" (compile_fx_inner) or "eager" (run the FX graph)."""
     dump_dir: str | None = None
     """If set, write each graph before/after the pipeline and its report.json there."""
+    slack_aware: bool = True
+    """Let the cost model decide, per group of independent all_reduces, whether to merge them
+    or issue them separately behind compute (each bucket's choice and the predicted
+    alternative are in the report). The estimates read this rank's compute, which can differ
+    between ranks, so the backend agrees on the resulting collectives at the first call and
+    falls back to merging every group if ranks disagree. ``False``: always merge."""
+    inductor_overlap: bool = True
+    """Backend route: turn on Inductor's scheduler passes that sink each wait to its first use
+    and raise each collective to its inputs, after fusion (``sink_waits``, ``raise_comms``).
+    They keep the collectives' order (Inductor chains them) and only move compute, so the
+    overlap the graph allows survives Inductor's fusion. Off if options= sets these keys."""
     check_ranks: bool = False
     """On the first run of each compiled graph, compare the sequence of collectives it issues
     across the ranks of each group it uses, and raise naming the first difference before any

@@ -13,6 +13,7 @@ from torch.fx import Graph, GraphModule
 
 from .analysis import analyze
 from .config import Config
+from .collectives import group_setup
 from .report import Report, build_report, record
 
 log = logging.getLogger("fxcoalesce")
@@ -42,9 +43,10 @@ def run_pipeline(gm: GraphModule, cfg: Config, *, name: str | None = None
     name = name or next_graph_name()
     t0 = time.perf_counter()
     before = analyze(gm)
+    cfg.cost.check_setup(*group_setup(before.scan))  # a profile for another setup: raise
     analysis_ms = (time.perf_counter() - t0) * 1e3
     work = copy_graph_module(gm)
-    timings, buckets, warnings = [], [], []
+    timings, buckets, decisions, warnings = [], [], [], []
     fell_back = False
     try:
         for pass_name in cfg.enabled_passes:
@@ -53,6 +55,7 @@ def run_pipeline(gm: GraphModule, cfg: Config, *, name: str | None = None
             timings.append({"name": pass_name, "ms": round((time.perf_counter() - t) * 1e3, 3),
                             "changed": result.changed})
             buckets += [asdict(b) for b in result.buckets]
+            decisions += [{"pass": pass_name, **d} for d in result.decisions]
             warnings += [f"{pass_name}: {w}" for w in result.warnings]
         work.graph.lint()
         work.recompile()
@@ -61,10 +64,10 @@ def run_pipeline(gm: GraphModule, cfg: Config, *, name: str | None = None
             raise
         log.warning("fxcoalesce[%s]: pass failed, using the unmodified graph: %r", name, e)
         warnings.append(f"fell back to the unmodified graph: {type(e).__name__}: {e}")
-        work, buckets, fell_back = gm, [], True
+        work, buckets, decisions, fell_back = gm, [], [], True
     report = build_report(name, before, analyze(work), cost=cfg.cost, passes=timings,
-                          buckets=buckets, warnings=warnings, analysis_ms=analysis_ms,
-                          fell_back=fell_back)
+                          buckets=buckets, decisions=decisions, warnings=warnings,
+                          analysis_ms=analysis_ms, fell_back=fell_back)
     record(report)
     if cfg.dump_dir:
         dump(cfg.dump_dir, name, gm, work, report)

@@ -15,8 +15,11 @@ rank all-gathers its sequence over each group the graph uses and raises
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch.distributed as dist
+
+log = logging.getLogger("fxcoalesce")
 
 
 class CollectiveMismatchError(RuntimeError):
@@ -43,8 +46,22 @@ def first_difference(sequences: list[list[str]], ranks: list[int]) -> str | None
     return None
 
 
-def check_sequences(graph_name: str, sequence: list[tuple[str | None, str]]) -> None:
-    """All-gather ``sequence`` over every group it uses and raise on any difference."""
+def has_peers(sequences: list[list[tuple[str | None, str]]]) -> bool:
+    """Do the graphs' collectives run over a real group of more than one rank?"""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    for name in groups_of([item for seq in sequences for item in seq]):
+        try:
+            group = _resolve_process_group(name)
+        except Exception:
+            continue
+        if dist.get_backend(group) != "fake" and group.size() > 1:
+            return True
+    return False
+
+
+def mismatch(sequence: list[tuple[str | None, str]]) -> str | None:
+    """All-gather ``sequence`` over every group it uses; the first difference, or None."""
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     described = [f"{d} [group {g}]" for g, d in sequence]
@@ -52,27 +69,46 @@ def check_sequences(graph_name: str, sequence: list[tuple[str | None, str]]) -> 
         group = _resolve_process_group(name)
         gathered: list = [None] * dist.get_world_size(group)
         dist.all_gather_object(gathered, described, group=group)
-        ranks = dist.get_process_group_ranks(group)
-        problem = first_difference(gathered, ranks)
+        problem = first_difference(gathered, dist.get_process_group_ranks(group))
         if problem:
-            raise CollectiveMismatchError(
-                f"fxcoalesce check_ranks: {graph_name} would issue different collective "
-                f"sequences on the ranks of group {name}: {problem}. Ranks pair collectives "
-                "by order, so this run would compute wrong values or hang. The graphs differ "
-                "between ranks in which collectives depend on which (or in their sizes); make "
-                "that rank-independent, or compile this code without fxcoalesce.")
+            return f"group {name}: {problem}"
+    return None
 
 
-def checked(compiled, graph_name: str, sequences: list[list[tuple[str | None, str]]]):
-    """``compiled`` that runs :func:`check_sequences` once, on its first call."""
-    done = []
+def _raise(graph_name: str, problem: str) -> None:
+    raise CollectiveMismatchError(
+        f"fxcoalesce check_ranks: {graph_name} would issue different collective sequences on "
+        f"the ranks of {problem}. Ranks pair collectives by order, so this run would compute "
+        "wrong values or hang. The graphs differ between ranks in which collectives depend on "
+        "which (or in their sizes); make that rank-independent, or compile this code without "
+        "fxcoalesce.")
+
+
+def checked(compiled, graph_name: str, sequences: list[list[tuple[str | None, str]]],
+            fallback=None):
+    """``compiled``, checked against the other ranks on its first call.
+
+    On a difference, ``fallback()`` (when given) must return ``(compiled, sequences)`` of a
+    graph whose sequence is rank-invariant by construction; every rank sees the same gathered
+    sequences, so all of them switch together. Without one, or if the fallback differs too,
+    :class:`CollectiveMismatchError` names the first difference.
+    """
+    state = {"fn": None}
 
     @functools.wraps(compiled)
     def run(*args, **kwargs):
-        if not done:
-            check_sequences(graph_name, [item for seq in sequences for item in seq])
-            done.append(True)
-        return compiled(*args, **kwargs)
+        if state["fn"] is None:
+            fn, seqs = compiled, sequences
+            problem = mismatch([item for seq in seqs for item in seq])
+            if problem and fallback is not None:
+                log.warning("fxcoalesce[%s]: ranks chose different collectives (%s); all "
+                            "ranks recompile with every group merged", graph_name, problem)
+                fn, seqs = fallback()
+                problem = mismatch([item for seq in seqs for item in seq])
+            if problem:
+                _raise(graph_name, problem)
+            state["fn"] = fn
+        return state["fn"](*args, **kwargs)
 
     if getattr(compiled, "_boxed_call", False):
         run._boxed_call = True

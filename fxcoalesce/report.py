@@ -6,10 +6,10 @@ import json
 import logging
 from dataclasses import asdict, dataclass, field
 
-import torch.distributed as dist
-
 from .analysis import Analysis
+from .collectives import group_setup
 from .config import CostModel
+from .cost import predict
 
 log = logging.getLogger("fxcoalesce")
 _REPORTS: list["Report"] = []
@@ -25,6 +25,8 @@ class Report:
     predicted_comm_us: dict[str, float] = field(default_factory=dict)
     chains: dict[str, int] = field(default_factory=dict)
     buckets: list[dict] = field(default_factory=list)
+    decisions: list[dict] = field(default_factory=list)
+    """Per candidate group: merged or not, and the predicted exposed µs of each choice."""
     windows: list[dict] = field(default_factory=list)
     passes: list[dict] = field(default_factory=list)
     analysis_ms: float = 0.0
@@ -37,25 +39,17 @@ class Report:
     def to_json(self, **extra) -> str:
         return json.dumps({**extra, **asdict(self)}, indent=2, default=str)
 
+    @property
+    def local_decisions(self) -> bool:
+        """Did a choice read this rank's compute estimates (so ranks must agree on it)?"""
+        return any(d.get("local") for d in self.decisions)
+
     def summary(self) -> str:
         a = self.all_reduce
         alone = f", {a['left_alone']} left alone" if a.get("left_alone") else ""
         return (f"fxcoalesce[{self.graph}]: all_reduce {a['before']} -> {a['after']} launches "
                 f"(lower bound {a['lower_bound']}{alone}), {a['bytes_before']} -> "
                 f"{a['bytes_after']} bytes, {len(self.buckets)} bucket(s); {self.verdict}")
-
-
-def world_size_of(analysis: Analysis) -> int | None:
-    for info in analysis.infos:
-        try:
-            return dist.distributed_c10d._resolve_process_group(info.block.key.group).size()
-        except Exception:  # unknown or fake group names: no size to model
-            return None
-    return None
-
-
-def comm_us(analysis: Analysis, cost: CostModel, world: int | None) -> float:
-    return sum(cost.all_reduce_us(i.block.nbytes, world or 2) for i in analysis.infos)
 
 
 def verdict(before: Analysis, after: Analysis) -> str:
@@ -82,9 +76,10 @@ def verdict(before: Analysis, after: Analysis) -> str:
 
 
 def build_report(graph: str, before: Analysis, after: Analysis, *, cost: CostModel,
-                 passes: list[dict], buckets: list[dict], warnings: list[str],
+                 passes: list[dict], buckets: list[dict], decisions: list[dict],
+                 warnings: list[str],
                  analysis_ms: float, fell_back: bool) -> Report:
-    world = world_size_of(before)
+    world, _ = group_setup(before.scan)
     warn = [f"{n.name}: left alone: {why}" for n, why in before.scan.skipped]
     warn += [f"{n.name}: left alone: {why}" for n, why in before.scan.unknown]
     bytes_of = lambda a: sum(i.block.nbytes for i in a.infos)  # noqa: E731
@@ -94,11 +89,12 @@ def build_report(graph: str, before: Analysis, after: Analysis, *, cost: CostMod
                     "lower_bound": before.lower_bound,
                     "left_alone": len(before.scan.skipped),
                     "bytes_before": bytes_of(before), "bytes_after": bytes_of(after)},
-        predicted_comm_us={"before": round(comm_us(before, cost, world), 1),
-                           "after": round(comm_us(after, cost, world), 1),
-                           "world_size_assumed": world or 2},
+        predicted_comm_us={"before": predict(before, cost, world or 2),
+                           "after": predict(after, cost, world or 2),
+                           "world_size_assumed": world or 2,
+                           "model": cost.profile.source if cost.profile else "default"},
         chains={str(k): v for k, v in before.chains.items()},
-        buckets=buckets,
+        buckets=buckets, decisions=decisions,
         windows=[{"node": i.block.collective.name, "level": i.level, "ready": i.ready,
                   "need": i.need, "slack": i.slack, "bytes": i.block.nbytes,
                   "symbolic": i.block.symbolic}

@@ -31,6 +31,7 @@ from fxcoalesce.config import Config
 from fxcoalesce.graph_order import reorder
 from fxcoalesce.meta import fake_mode_of, propagate_val, storage_of
 
+from .decide import Decider
 from .result import Bucket, PassResult
 
 aten = torch.ops.aten
@@ -141,7 +142,14 @@ def bucket_pass(gm: GraphModule, *, cfg: Config) -> PassResult:
         result.warnings.append(
             "per-key levels of different keys interlock; bucketed by global level instead "
             "(may miss the per-key bound)")
-    plan = [g for g in plan if len(g) > 1]
+    decider = Decider.of(analysis, cfg)
+    chosen = []
+    for group in (g for g in plan if len(g) > 1):
+        members, record = decider.choose(group, lambda sub: sum(m.block.nbytes for m in sub))
+        result.decisions.append(record)
+        if len(members) > 1:
+            chosen.append(members)
+    plan = chosen
     if not plan:
         return result
     mode = fake_mode_of(analysis.order)

@@ -33,6 +33,7 @@ from fxcoalesce.config import Config
 from fxcoalesce.graph_order import reorder
 from fxcoalesce.meta import fake_mode_of, propagate_val, tensor_val
 
+from .decide import Decider
 from .result import Bucket, PassResult
 
 aten = torch.ops.aten
@@ -138,13 +139,23 @@ class _Emitter:
         return total
 
 
+def _chosen(decider: Decider, info_of: dict, blocks: list[CommBlock], result: PassResult
+            ) -> list[CommBlock]:
+    """The blocks of one key in one tree that the cost model merges (one sum's bytes)."""
+    members, record = decider.choose([info_of[b] for b in blocks],
+                                     lambda sub: max(m.block.nbytes for m in sub))
+    result.decisions.append(record)
+    return [m.block for m in members]
+
+
 def linearity_pass(gm: GraphModule, *, cfg: Config) -> PassResult:
     result = PassResult()
     if not cfg.reassociate:
         return result
     analysis = analyze(gm)
     by_wait = {b.wait: b for b in analysis.scan.blocks}
-    level = {i.block: i.level for i in analysis.infos}
+    info_of = {i.block: i for i in analysis.infos}
+    decider = Decider.of(analysis, cfg)
     graph = gm.graph
     mode = fake_mode_of(analysis.order)
     priority = {n: float(i) for n, i in analysis.order.items()}
@@ -156,6 +167,8 @@ def linearity_pass(gm: GraphModule, *, cfg: Config) -> PassResult:
             block = by_wait.get(leaf)
             if block is not None and coeff != 0 and _reducible(block, _dtype(root)):
                 groups.setdefault(block.key, []).append(block)
+        groups = {k: _chosen(decider, info_of, v, result) for k, v in groups.items()
+                  if len(v) > 1}
         groups = {k: v for k, v in groups.items() if len(v) > 1}
         if not groups:
             continue
@@ -173,7 +186,8 @@ def linearity_pass(gm: GraphModule, *, cfg: Config) -> PassResult:
             reduced.append(emit(WAIT, fused))
             issue_keys[fused] = float(min(b.ordinal for b in blocks))
             result.buckets.append(Bucket(
-                members=[b.collective.name for b in blocks], level=max(map(level.get, blocks)),
+                members=[b.collective.name for b in blocks],
+                level=max(info_of[b].level for b in blocks),
                 key=str(key), nbytes=sum(b.nbytes for b in blocks), collective=fused.name,
                 kind="sum"))
         merged = {b.wait for blocks in groups.values() for b in blocks}

@@ -26,4 +26,7 @@ class PassResult:
 
     changed: bool = False
     buckets: list[Bucket] = field(default_factory=list)
+    decisions: list[dict] = field(default_factory=list)
+    """Per candidate group: what the cost model chose and the predicted alternatives
+    (``passes.decide``)."""
     warnings: list[str] = field(default_factory=list)

@@ -183,3 +183,43 @@ def test_check_ranks_passes_rank_dependent_compute(name):
         assert "got" in r, r
         for got, want in zip(r["got"], r["want"], strict=True):
             torch.testing.assert_close(got, want)
+
+
+def slack_differs(x, y, bias):
+    """Rank 0 has much compute that can hide the first large all_reduce but must come before
+    the second one's input; rank 1 has none. The cost model keeps the pair separate on rank 0
+    (merged, the first would wait for the compute) and merges it on rank 1. The backend's
+    first call must notice, and every rank fall back to merging."""
+    ra = ar(x.repeat(64, 64))                         # 512 x 1024 floats: 2 MiB
+    h = y
+    if dist.get_rank() == 0:
+        for _ in range(40):
+            h = torch.tanh(h @ h.t() @ h) + bias
+    rb = ar((x * 3 + h.sum()).repeat(64, 64))
+    return ra, rb
+
+
+def _slack_run(rank, world):
+    from fxcoalesce.config import CostModel
+
+    torch.set_num_threads(1)
+    reports = []
+    # matmuls cost 50 µs each and copies nothing: only the loop can hide an all_reduce
+    cfg = fxcoalesce.Config(codegen="eager", cost=CostModel(kernel_us=50.0, memory_gbps=1e6))
+    torch._dynamo.reset()
+    be = fxcoalesce.backend(cfg, on_graph=lambda b, a, r: reports.append(r))
+    got = torch.compile(slack_differs, backend=be, fullgraph=True)(*_inputs(rank))
+    return {"got": got, "want": eager(slack_differs, _inputs(rank)),
+            "choices": [[d["chose"] for d in r.decisions] for r in reports],
+            "after": [r.all_reduce["after"] for r in reports]}
+
+
+def test_ranks_agree_on_cost_model_choices():
+    res = spawn(_slack_run, 2, (), backend="gloo", timeout=300)
+    # the local choices differed (rank 0 kept the pair apart, rank 1 merged it) ...
+    assert res[0]["choices"][0] == ["separate"] and res[1]["choices"][0] == ["merge all"]
+    # ... so both recompiled with every group merged, and computed the right values
+    assert [r["after"] for r in res] == [[2, 1], [1, 1]]
+    for r in res:
+        for got, want in zip(r["got"], r["want"], strict=True):
+            torch.testing.assert_close(got, want)

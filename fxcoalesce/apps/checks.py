@@ -74,10 +74,10 @@ def _can_make_dir(out: str) -> None:
     _no_file_above(out, Path(out))
 
 
-def _can_write_file(out: str) -> None:
-    """``out`` can be written as a file (bench writes one JSON file)."""
+def _can_write_file(out: str, command: str = "bench") -> None:
+    """``out`` can be written as a file (bench and calibrate write one JSON file)."""
     if Path(out).is_dir():
-        raise ValueError(f"--out {out} is a directory; bench writes one JSON file")
+        raise ValueError(f"--out {out} is a directory; {command} writes one JSON file")
     _no_file_above(out, Path(out).parent)
 
 
@@ -112,4 +112,15 @@ def check_demo(args) -> None:
     _at_least(2, "the first new token comes from the prefill, the others from verify steps",
               tokens=args.tokens)
     _model(args.model, args.tp, "verify")
+    _gpus(args.device, args.backend, args.tp)
+
+
+def check_calibrate(args) -> None:
+    _at_least(1, tp=args.tp)
+    if args.tp < 2:
+        raise ValueError("--tp must be at least 2: an all_reduce over one rank moves nothing")
+    _at_least(8, max_bytes=args.max_bytes)
+    if not args.budget > 0:
+        raise ValueError(f"--budget must be > 0 seconds, not {args.budget}")
+    _can_write_file(args.out, "calibrate")
     _gpus(args.device, args.backend, args.tp)

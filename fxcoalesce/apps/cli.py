@@ -17,6 +17,13 @@ def _table(rows: list[tuple[str, object]]) -> str:
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
 
 
+def _comm(pred: dict) -> str:
+    """'total (exposed) -> total (exposed)' of a report's predicted_comm_us."""
+    b, a = pred["before"], pred["after"]
+    return (f"{b['total']} -> {a['total']}  (exposed {b['exposed']} -> {a['exposed']}; "
+            f"model: {pred['model']}, world {pred['world_size_assumed']})")
+
+
 def cmd_inspect(args) -> int:
     from fxcoalesce import models
     from fxcoalesce.pipeline import graph_text
@@ -39,8 +46,7 @@ def cmd_inspect(args) -> int:
     print(_table([
         ("all_reduce launches", f"{a['before']} -> {a['after']}  (lower bound {a['lower_bound']})"),
         ("all_reduce bytes", f"{a['bytes_before']} -> {a['bytes_after']}"),
-        ("predicted comm (µs)", f"{r.predicted_comm_us['before']} -> "
-                                f"{r.predicted_comm_us['after']}"),
+        ("predicted comm (µs)", _comm(r.predicted_comm_us)),
         ("buckets", len(r.buckets)),
         ("other collectives", r.other_collectives or "none"),
         ("graph nodes", f"{r.nodes['before']} -> {r.nodes['after']}"),
@@ -91,6 +97,35 @@ def cmd_bench(args) -> int:
         Path(args.out).write_text(json.dumps(res, indent=2))
         print(f"wrote {args.out}")
     return 0
+
+
+def cmd_calibrate(args) -> int:
+    from fxcoalesce.apps.calibrate import run_calibrate, write_profile
+
+    args.command_line = "fxcoalesce " + " ".join(sys.argv[1:])
+    print(f"calibrate: {args.tp} {args.backend or 'gloo'} ranks on {args.device}, all_reduce "
+          f"from 8 B to {args.max_bytes} B ...", file=sys.stderr, flush=True)
+    data = run_calibrate(args)
+    write_profile(data, args.out)
+    print(f"alpha {data['alpha_us']:.1f} µs, beta {data['beta_us_per_byte'] * 1e6:.1f} µs/MB "
+          f"(single line); {len(data['segments'])} segment(s); worst error 1 KB-16 MB "
+          f"{data['max_abs_error_1KB_16MB']:.1%}; CUDA graphs: {data['cudagraphs']}")
+    for row in data["points"]:
+        print(f"  {row['bytes']:>10} B  measured {row['measured_us']:>10.1f} µs  predicted "
+              f"{row['predicted_us']:>10.1f} µs  ({row['error']:+.1%})")
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _bytes(text: str) -> int:
+    """'64M', '16K', '1024' -> bytes (binary units)."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip().upper().removesuffix("B")
+    scale = units.get(text[-1:], 1)
+    try:
+        return int(float(text[:-1] if scale > 1 else text) * scale)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a byte count: {text!r} (e.g. 64M)") from None
 
 
 def cmd_demo(args) -> int:
@@ -166,6 +201,25 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="where weights and activations live (default: %(default)s)")
     d.set_defaults(fn=cmd_demo, check=checks.check_demo)
+
+    c = sub.add_parser("calibrate", help="measure all_reduce latency on real ranks and fit "
+                                         "the cost model (profile.json)")
+    c.add_argument("--tp", type=int, default=2, help="ranks (default: %(default)s)")
+    c.add_argument("--backend", choices=["gloo", "nccl"],
+                   help="process group backend (default: gloo)")
+    c.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="where the reduced tensors live (default: %(default)s)")
+    c.add_argument("--nccl-mode", default="nvlink", choices=["nvlink", "p2p-off"],
+                   help="NCCL only: p2p-off sets NCCL_P2P_DISABLE=1 (traffic through host "
+                        "memory, like a PCIe box without peer-to-peer) (default: %(default)s)")
+    c.add_argument("--max-bytes", type=_bytes, default=64 << 20,
+                   help="largest all_reduce, e.g. 16M (default: 64M)")
+    c.add_argument("--budget", type=float, default=1.0,
+                   help="seconds of timing per size, roughly (default: %(default)s)")
+    c.add_argument("--no-cudagraphs", action="store_true",
+                   help="CUDA: time an eager loop instead of a captured CUDA graph")
+    c.add_argument("--out", required=True, help="profile JSON to write")
+    c.set_defaults(fn=cmd_calibrate, check=checks.check_calibrate)
     return p
 
 

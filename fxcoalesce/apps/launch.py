@@ -42,14 +42,22 @@ class RankError(RuntimeError):
         self.rank, self.kind, self.message, self.traceback = rank, kind, message, traceback
 
 
-def _entry(rank, world_size, port, backend, fn, args, queue, done):
+NCCL_SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+"""Kept set for NCCL ranks: NVLink multicast can take a shared host's GPUs down."""
+
+
+def _entry(rank, world_size, port, backend, fn, args, queue, done, env):
     try:
+        os.environ.update(env or {})
+        extra = {}
         if backend == "nccl":
+            os.environ.update(NCCL_SAFE_ENV)
             torch.cuda.set_device(rank)
+            extra["device_id"] = torch.device("cuda", rank)
         else:  # loopback: these jobs never leave the machine
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}",
-                                rank=rank, world_size=world_size)
+                                rank=rank, world_size=world_size, **extra)
         queue.put((rank, None, fn(rank, world_size, *args)))
         dist.destroy_process_group()
     except BaseException as e:  # reported before any teardown that could block on peers
@@ -103,8 +111,9 @@ def _stop(procs, failed: bool) -> None:
 
 
 def spawn(fn, world_size: int, args: tuple = (), backend: str | None = None,
-          timeout: float = 1800.0) -> list:
+          timeout: float = 1800.0, env: dict[str, str] | None = None) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes; return results.
+    ``env`` is set in each rank before its process group starts (e.g. NCCL_P2P_DISABLE).
 
     The first rank to fail (raise, die, or not answer within ``timeout`` seconds overall) is
     raised as :class:`RankError`, after every other rank has been stopped.
@@ -113,7 +122,8 @@ def spawn(fn, world_size: int, args: tuple = (), backend: str | None = None,
     ctx = mp.get_context("spawn")
     queue, done = ctx.Queue(), ctx.Event()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, backend, fn, args, queue, done))
+    procs = [ctx.Process(target=_entry,
+                         args=(r, world_size, port, backend, fn, args, queue, done, env))
              for r in range(world_size)]
     for p in procs:
         p.start()

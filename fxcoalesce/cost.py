@@ -1,0 +1,102 @@
+"""Predicted time: compute per graph node (a roofline) and communication per collective
+(``CostModel``), and what of the communication the graph's order leaves exposed.
+
+    hidden(c)  = min(T(c), compute between c's input and its first consumer)
+    exposed(c) = T(c) - hidden(c)
+
+A prediction, not a measurement: the node order is the one the passes chose, and compute is a
+roofline (``max(flops / peak, bytes / bandwidth)`` plus a launch cost for matmuls and
+attention, which stay kernels of their own). ``fxcoalesce calibrate`` measures the constants.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+from torch.fx import Node
+
+from .analysis import Analysis
+from .collectives import WAIT, is_collective, op_of, size_hint
+from .config import CostModel
+from .meta import tensor_val
+
+aten = torch.ops.aten
+
+DEVICE_DEFAULTS = {  # (TFLOP/s, GB/s, µs per kernel): leads until a profile measures them
+    "cpu": (0.1, 10.0, 5.0),
+    "cuda": (400.0, 3000.0, 4.0),
+}
+MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
+ATTENTION = {getattr(aten, name).default for name in (
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+    if hasattr(aten, name)}
+
+
+@dataclass(frozen=True, slots=True)
+class Roofline:
+    peak_tflops: float
+    memory_gbps: float
+    kernel_us: float
+
+    @classmethod
+    def of(cls, cost: CostModel, device: str) -> Roofline:
+        peak, mem, kern = DEVICE_DEFAULTS.get(device, DEVICE_DEFAULTS["cpu"])
+        return cls(cost.peak_tflops or peak, cost.memory_gbps or mem,
+                   kern if cost.kernel_us is None else cost.kernel_us)
+
+
+def _numel(t: torch.Tensor) -> int:
+    return int(torch.Size([size_hint(s) for s in t.shape]).numel())
+
+
+def _flops(node: Node) -> int:
+    vals = [tensor_val(a) for a in node.args if isinstance(a, Node)]
+    out = tensor_val(node)
+    if node.target in MATMULS and out is not None:
+        a = vals[-2]  # mm(a, b), addmm(bias, a, b), bmm(a, b), baddbmm(c, a, b)
+        return 2 * _numel(out) * size_hint(a.shape[-1])
+    if node.target in ATTENTION and len(vals) >= 2:
+        q, k = vals[0], vals[1]  # [B, H, S, D], [B, H, T, D]
+        return 4 * _numel(q) * size_hint(k.shape[-2])
+    return _numel(out) if out is not None else 0
+
+
+def node_us(node: Node, roof: Roofline) -> float:
+    """Roofline time of one node (0 for views, collectives, waits and non-tensor nodes)."""
+    out = tensor_val(node)
+    if node.op != "call_function" or out is None or is_collective(node) or op_of(node) is WAIT:
+        return 0.0
+    if isinstance(node.target, torch._ops.OpOverload) and node.target.is_view:
+        return 0.0
+    ins = [tensor_val(a) for a in node.all_input_nodes]
+    nbytes = sum(_numel(t) * t.element_size() for t in [out, *ins] if t is not None)
+    t = max(_flops(node) / (roof.peak_tflops * 1e6), nbytes / (roof.memory_gbps * 1e3))
+    own_kernel = node.target in MATMULS or node.target in ATTENTION
+    return t + (roof.kernel_us if own_kernel else 0.0)
+
+
+def graph_device(analysis: Analysis) -> str:
+    for info in analysis.infos:
+        return info.block.key.device.split(":")[0]
+    return "cpu"
+
+
+def compute_prefix(analysis: Analysis, roof: Roofline) -> list[float]:
+    """prefix[i] = predicted compute time of the nodes before position i."""
+    return [0.0, *itertools.accumulate(node_us(n, roof) for n in analysis.order)]
+
+
+def predict(analysis: Analysis, cost: CostModel, world: int) -> dict[str, float]:
+    """Predicted all_reduce time of the graph: total, hidden under compute, exposed."""
+    roof = Roofline.of(cost, graph_device(analysis))
+    prefix = compute_prefix(analysis, roof)
+    total = hidden = 0.0
+    for info in analysis.infos:
+        t = cost.all_reduce_us(info.block.nbytes, world)
+        total += t
+        hidden += min(t, prefix[info.need] - prefix[info.ready + 1])
+    return {"total": round(total, 1), "hidden": round(hidden, 1),
+            "exposed": round(total - hidden, 1)}

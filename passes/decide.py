@@ -1,0 +1,86 @@
+"""Merge or not: what the cost model predicts for a group of mutually independent
+all_reduces, issued as one or separately (each hidden behind the compute of its window).
+
+    separate: sum over members of max(0, T(member) - compute in [ready, need] of the member)
+    merged:   max(0, T(merged bytes) - compute in [last ready, first need])
+
+A merged collective starts when its last member's input is ready and must finish before its
+first member's consumer, so merging can expose a collective that separately would have been
+hidden. Merging is the default: another choice must save more than ``MIN_SAVING_US`` and
+``MIN_SAVING_SHARE`` of the merged prediction (estimates are rough; near-ties keep the
+fewer launches, and fewer bytes for sums).
+
+Compute estimates come from this rank's graph, and ranks' graphs can differ, so decisions that
+read them are local guesses: the backend agrees on them across ranks at the first call
+(``rank_check``). Without ``cfg.slack_aware`` every group merges (rank-invariant by itself).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from fxcoalesce.analysis import Analysis, BlockInfo
+from fxcoalesce.collectives import group_setup
+from fxcoalesce.config import Config
+from fxcoalesce.cost import Roofline, compute_prefix, graph_device
+
+
+MIN_SAVING_US = 1.0
+MIN_SAVING_SHARE = 0.10
+
+
+@dataclass(slots=True)
+class Decider:
+    """Predictions over one analysed graph; ``choose`` is called per candidate group."""
+
+    analysis: Analysis
+    cfg: Config
+    world: int
+    prefix: list[float]
+
+    @classmethod
+    def of(cls, analysis: Analysis, cfg: Config) -> Decider:
+        roof = Roofline.of(cfg.cost, graph_device(analysis))
+        world, _ = group_setup(analysis.scan)
+        return cls(analysis, cfg, world or 2, compute_prefix(analysis, roof))
+
+    def _hidden(self, ready: int, need: int) -> float:
+        return self.prefix[need] - self.prefix[ready + 1] if need > ready + 1 else 0.0
+
+    def exposed(self, members: list[BlockInfo], nbytes: int | None = None) -> float:
+        """Predicted exposed µs of ``members`` issued as one collective of ``nbytes`` (or
+        separately, when ``nbytes`` is None)."""
+        t = lambda b: self.cfg.cost.all_reduce_us(b, self.world)  # noqa: E731
+        if nbytes is None:
+            return sum(max(0.0, t(m.block.nbytes) - self._hidden(m.ready, m.need))
+                       for m in members)
+        ready, need = max(m.ready for m in members), min(m.need for m in members)
+        return max(0.0, t(nbytes) - self._hidden(ready, need))
+
+    def choose(self, members: list[BlockInfo], merged_bytes: Callable[[list[BlockInfo]], int]
+               ) -> tuple[list[BlockInfo], dict]:
+        """(the members to merge — all, some or none —, a record for the report).
+        ``merged_bytes(subset)`` is the size of the collective that would replace ``subset``."""
+        separate = self.exposed(members)
+        options = [(self.exposed(members, merged_bytes(members)), members)]
+        if self.cfg.slack_aware:
+            # members hidden on their own may do better apart from the rest
+            alone = [m for m in members if self.exposed([m]) == 0.0]
+            rest = [m for m in members if m not in alone]
+            if alone and len(rest) > 1:
+                options.append((self.exposed(rest, merged_bytes(rest)) + self.exposed(alone),
+                                rest))
+            options.append((separate, []))
+        merged_us = options[0][0]
+        margin = max(MIN_SAVING_US, MIN_SAVING_SHARE * merged_us)
+        best_us, chosen = min([options[0]] + [o for o in options[1:] if o[0] < merged_us - margin],
+                              key=lambda o: o[0])
+        record = {"members": [m.block.collective.name for m in members],
+                  "chose": ("merge all" if len(chosen) == len(members) else
+                            "separate" if not chosen else f"merge {len(chosen)} of {len(members)}"),
+                  "predicted_exposed_us": {"chosen": round(best_us, 2),
+                                           "merged": round(options[0][0], 2),
+                                           "separate": round(separate, 2)},
+                  "local": self.cfg.slack_aware}
+        return chosen, record
