@@ -53,14 +53,40 @@ def test_configs():
     v3 = ds.CONFIGS["deepseek-v3"]
     assert (v3.n_dense_layers, v3.n_heads, v3.n_routed_experts) == (3, 128, 256)
     assert (v3.n_expert_groups, v3.n_limited_groups) == (8, 4)
-    assert TINY.capture_layers == (1, 2, 2)  # (2, L//2, L-3) for L = 4, sorted
-    assert replace(k2, n_layers=5).capture_layers == (2, 2, 2)
+
+
+@pytest.mark.parametrize("n_layers, layers", [
+    (61, (2, 30, 58)), (7, (2, 3, 4)),  # EAGLE-3's (2, L // 2, L - 3)
+    (6, (0, 3, 5)), (4, (0, 2, 3)), (3, (0, 1, 2)),  # it repeats a layer: first, middle, last
+])
+def test_default_capture_layers(n_layers, layers):
+    assert replace(TINY, n_layers=n_layers, n_dense_layers=1).capture_layers == layers
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("eagle_layers", [None, (3, 0, 2)])
+def test_forward_returns_the_states_entering_the_capture_layers(eagle_layers):
+    """Fails if forward captures a layer twice (the (2, L // 2, L - 3) rule alone gives
+    (1, 2, 2) for the 4-layer tiny model), another layer than capture_layers (e.g. a layer's
+    output instead of its input), or concatenates them in another order."""
+    args = replace(TINY, eagle_layers=eagle_layers)
+    assert args.capture_layers == (eagle_layers or (0, 2, 3))
+    model = ds.build(args, dtype=torch.float64)
+    model.setup_cache(1, 16)
+    entering = {}
+    for i, layer in enumerate(model.layers):
+        layer.register_forward_pre_hook(lambda mod, inputs, i=i: entering.update({i: inputs[0]}))
+    pos = torch.arange(5)
+    _, hidden = model(torch.tensor([[5, 17, 300, 2, 99]]), pos, pos, ds.causal_mask(pos, 16))
+    assert torch.equal(hidden, torch.cat([entering[i] for i in args.capture_layers], -1))
 
 
 @pytest.mark.parametrize("change, message", [
     (dict(n_activated_experts=9), "n_activated_experts"),
     (dict(n_expert_groups=3), "must divide n_routed_experts"),
     (dict(eagle_layers=(0, 1, 4)), "eagle_layers"),
+    (dict(eagle_layers=(1, 1, 2)), "distinct"),
+    (dict(n_layers=2), r"n_layers \(2\) must be >= 3"),
     (dict(n_dense_layers=5), "n_dense_layers"),
     (dict(qk_rope_head_dim=7), "even"),
 ])
