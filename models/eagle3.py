@@ -122,7 +122,8 @@ class Eagle3Draft(nn.Module):
         B, S, H = hidden.shape
         x = torch.cat([self.embed_norm(self.embed(tokens)), self.hidden_norm(hidden)], -1)  # 2H
         q, k, v = (w(x).view(B, S, self.args.n_heads, -1) for w in (self.wq, self.wk, self.wv))
-        cos, sin = rope_angles(input_pos, q.shape[-1], self.args.rope_theta)
+        cos, sin = rope_angles(input_pos, q.shape[-1], self.args.rope_theta,
+                               torch.promote_types(q.dtype, torch.float32))
         q, k = (rope_half(t, cos[:, None], sin[:, None]) for t in (q, k))
         self.k_cache.index_copy_(1, cache_pos, k)
         self.v_cache.index_copy_(1, cache_pos, v)
