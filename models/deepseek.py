@@ -78,9 +78,10 @@ class MoEArgs:
     max_batch_size: int = 8
     """Default KV cache batch size for setup_cache."""
     eagle_layers: tuple[int, ...] | None = None
-    """Three layers whose input hidden states forward() returns for EAGLE-3; None: the EAGLE-3
-    default (2, L // 2, L - 3) clipped to [0, L), so replace(args, n_layers=...) keeps working.
-    ``capture_layers`` is the resolved tuple."""
+    """Three distinct layers whose input hidden states forward() returns for EAGLE-3; None: the
+    EAGLE-3 default (2, L // 2, L - 3), or (0, L // 2, L - 1) when L < 7 makes the default
+    collide, so replace(args, n_layers=...) keeps working. ``capture_layers`` is the resolved
+    tuple."""
     hand_merged: bool = False
     """Sum shared and routed expert outputs before one all_reduce (vLLM/SGLang's hand merge)."""
 
@@ -110,9 +111,13 @@ class MoEArgs:
         if self.n_activated_experts > self.n_limited_groups * per_group:
             raise ValueError(f"n_activated_experts ({self.n_activated_experts}) exceeds the "
                              f"{self.n_limited_groups * per_group} experts in the allowed groups")
+        if self.n_layers < 3:
+            raise ValueError(f"n_layers ({self.n_layers}) must be >= 3: forward() returns the "
+                             f"inputs of 3 distinct layers for the EAGLE-3 draft")
         layers = self.capture_layers
-        if len(layers) != 3 or not all(0 <= i < self.n_layers for i in layers):
-            raise ValueError(f"eagle_layers {layers} must be 3 layer indices in "
+        distinct = len(set(layers)) == len(layers) == 3
+        if not distinct or not all(0 <= i < self.n_layers for i in layers):
+            raise ValueError(f"eagle_layers {layers} must be 3 distinct layer indices in "
                              f"[0, {self.n_layers}); pass eagle_layers=None for the default")
 
     @property
@@ -121,7 +126,9 @@ class MoEArgs:
         if self.eagle_layers is not None:
             return tuple(self.eagle_layers)
         L = self.n_layers
-        return tuple(sorted(min(max(i, 0), L - 1) for i in (2, L // 2, L - 3)))
+        # (2, L // 2, L - 3) repeats a layer below 7 layers: a draft fed the same state twice
+        # loses a third of its input, so shallow models take the first, middle and last layer
+        return (2, L // 2, L - 3) if L >= 7 else (0, L // 2, L - 1)
 
 
 _FULL = dict(dim=7168, inter_dim=18432, moe_inter_dim=2048, n_layers=61, n_shared_experts=1,

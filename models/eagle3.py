@@ -17,7 +17,7 @@ sampled token) not yet in it:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 import torch
@@ -122,7 +122,8 @@ class Eagle3Draft(nn.Module):
         B, S, H = hidden.shape
         x = torch.cat([self.embed_norm(self.embed(tokens)), self.hidden_norm(hidden)], -1)  # 2H
         q, k, v = (w(x).view(B, S, self.args.n_heads, -1) for w in (self.wq, self.wk, self.wv))
-        cos, sin = rope_angles(input_pos, q.shape[-1], self.args.rope_theta)
+        cos, sin = rope_angles(input_pos, q.shape[-1], self.args.rope_theta,
+                               torch.promote_types(q.dtype, torch.float32))
         q, k = (rope_half(t, cos[:, None], sin[:, None]) for t in (q, k))
         self.k_cache.index_copy_(1, cache_pos, k)
         self.v_cache.index_copy_(1, cache_pos, v)
@@ -159,6 +160,8 @@ class Tree:
     """[N, N] bool: node i sees node j iff j is i or one of its ancestors."""
     retrieve_indices: torch.Tensor
     """[n_leaves, max_depth + 1] root-to-leaf node paths, leaves in node order, -1 padded."""
+    scores: torch.Tensor | None = None
+    """[N] cumulative draft log-prob of each node (0 at the root); None unless drafted."""
 
     @classmethod
     def from_parents(cls, tokens: torch.Tensor, parents: Sequence[int]) -> Tree:
@@ -273,14 +276,16 @@ def draft_tree(draft: Eagle3Draft, tokens: torch.Tensor, hidden: torch.Tensor, p
         parent = best // top_k
         frontier, frontier_hidden = base + best, out[0, parent]
         ancestors = [ancestors[p] + [slots[p]] for p in parent.tolist()]
-    order = torch.sort(torch.cat(pool_scores), descending=True, stable=True).indices
+    all_scores = torch.cat(pool_scores)
+    order = torch.sort(all_scores, descending=True, stable=True).indices
     keep = order[: total_tokens - 1].sort().values.tolist()
     node_of = {-1: 0} | {p: i for i, p in enumerate(keep, 1)}  # pool index -> node (-1: root)
     pool_parent = torch.cat(pool_parents).tolist()
     parents = [-1] + [node_of[pool_parent[p]] for p in keep]
     keep_t = torch.tensor(keep, device=dev)
     tree_tokens = torch.cat([tokens[-1:], draft.to_target(torch.cat(pool_ids)[keep_t])])
-    return Tree.from_parents(tree_tokens, parents)
+    scores = torch.cat([all_scores.new_zeros(1), all_scores[keep_t]])
+    return replace(Tree.from_parents(tree_tokens, parents), scores=scores)
 
 
 def accept_greedy(tree: Tree, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,20 +2,18 @@
 all_reduce count of a full-size verify step traced under fake tensors."""
 
 import contextlib
-import os
-import socket
 import time
 from dataclasses import replace
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch._dynamo.backends.common import aot_autograd
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from fxcoalesce.apps.launch import spawn
 from fxcoalesce.apps.steps import make_step
 from fxcoalesce.models import deepseek as ds
 from fxcoalesce.models.eagle3 import Tree, tree_verify_inputs, verify_step
@@ -53,14 +51,40 @@ def test_configs():
     v3 = ds.CONFIGS["deepseek-v3"]
     assert (v3.n_dense_layers, v3.n_heads, v3.n_routed_experts) == (3, 128, 256)
     assert (v3.n_expert_groups, v3.n_limited_groups) == (8, 4)
-    assert TINY.capture_layers == (1, 2, 2)  # (2, L//2, L-3) for L = 4, sorted
-    assert replace(k2, n_layers=5).capture_layers == (2, 2, 2)
+
+
+@pytest.mark.parametrize("n_layers, layers", [
+    (61, (2, 30, 58)), (7, (2, 3, 4)),  # EAGLE-3's (2, L // 2, L - 3)
+    (6, (0, 3, 5)), (4, (0, 2, 3)), (3, (0, 1, 2)),  # it repeats a layer: first, middle, last
+])
+def test_default_capture_layers(n_layers, layers):
+    assert replace(TINY, n_layers=n_layers, n_dense_layers=1).capture_layers == layers
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("eagle_layers", [None, (3, 0, 2)])
+def test_forward_returns_the_states_entering_the_capture_layers(eagle_layers):
+    """Fails if forward captures a layer twice (the (2, L // 2, L - 3) rule alone gives
+    (1, 2, 2) for the 4-layer tiny model), another layer than capture_layers (e.g. a layer's
+    output instead of its input), or concatenates them in another order."""
+    args = replace(TINY, eagle_layers=eagle_layers)
+    assert args.capture_layers == (eagle_layers or (0, 2, 3))
+    model = ds.build(args, dtype=torch.float64)
+    model.setup_cache(1, 16)
+    entering = {}
+    for i, layer in enumerate(model.layers):
+        layer.register_forward_pre_hook(lambda mod, inputs, i=i: entering.update({i: inputs[0]}))
+    pos = torch.arange(5)
+    _, hidden = model(torch.tensor([[5, 17, 300, 2, 99]]), pos, pos, ds.causal_mask(pos, 16))
+    assert torch.equal(hidden, torch.cat([entering[i] for i in args.capture_layers], -1))
 
 
 @pytest.mark.parametrize("change, message", [
     (dict(n_activated_experts=9), "n_activated_experts"),
     (dict(n_expert_groups=3), "must divide n_routed_experts"),
     (dict(eagle_layers=(0, 1, 4)), "eagle_layers"),
+    (dict(eagle_layers=(1, 1, 2)), "distinct"),
+    (dict(n_layers=2), r"n_layers \(2\) must be >= 3"),
     (dict(n_dense_layers=5), "n_dense_layers"),
     (dict(qk_rope_head_dim=7), "even"),
 ])
@@ -226,7 +250,6 @@ def test_make_step(step):
 
 
 def test_kimi_k2_builds_and_shards_under_fake_mode():
-    start = time.perf_counter()
     with fake_world(8) as group, FakeTensorMode():
         model = ds.build("kimi-k2", dtype=torch.bfloat16)
         assert sum(p.numel() for p in model.parameters()) > 1.0e12
@@ -235,7 +258,6 @@ def test_kimi_k2_builds_and_shards_under_fake_mode():
         assert model.layers[0].attn.wq_b.weight.shape == (8 * 192, 1536)
         assert model.layers[0].ffn.w1.weight.shape == (18432 // 8, 7168)
         assert model.embed.weight.shape == (163840 // 8, 7168)
-    assert time.perf_counter() - start < 15
 
 
 @pytest.mark.slow
@@ -250,36 +272,25 @@ def test_kimi_k2_full_verify_all_reduce_count(hand_merged, expected):
     assert build_s + trace_s < 60
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _tp2_logits_worker(rank: int, port: int, out_dir: str) -> None:
+def _tp2_logits_worker(rank: int, world: int) -> dict:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        tokens = torch.tensor([[3, 14, 159, 26, 5, 35]])
-        pos = torch.arange(6)
-        mask = ds.causal_mask(pos, 16)
-        results = {}
-        with torch.no_grad():
-            for hand_merged in (False, True):
-                model = ds.build(TINY, hand_merged=hand_merged, dtype=torch.float64)
-                model.setup_cache(1, 16)
-                results["tp1"] = model(tokens, pos, pos, mask)
-                ds.apply_tp(model, dist.group.WORLD)
-                model.setup_cache(1, 16)
-                results[f"tp2_{hand_merged}"] = model(tokens, pos, pos, mask)
-        torch.save(results, os.path.join(out_dir, f"{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    tokens = torch.tensor([[3, 14, 159, 26, 5, 35]])
+    pos = torch.arange(6)
+    mask = ds.causal_mask(pos, 16)
+    results = {}
+    with torch.no_grad():
+        for hand_merged in (False, True):
+            model = ds.build(TINY, hand_merged=hand_merged, dtype=torch.float64)
+            model.setup_cache(1, 16)
+            results["tp1"] = model(tokens, pos, pos, mask)
+            ds.apply_tp(model, dist.group.WORLD)
+            model.setup_cache(1, 16)
+            results[f"tp2_{hand_merged}"] = model(tokens, pos, pos, mask)
+    return results
 
 
-def test_tp2_gloo_matches_unsharded(tmp_path):
-    mp.spawn(_tp2_logits_worker, args=(free_port(), str(tmp_path)), nprocs=2)
-    ranks = [torch.load(tmp_path / f"{r}.pt") for r in range(2)]
+def test_tp2_gloo_matches_unsharded():
+    ranks = spawn(_tp2_logits_worker, 2, backend="gloo")
     for r in ranks:
         for key in ("tp2_False", "tp2_True"):
             for got, want in zip(r[key], r["tp1"]):

@@ -225,31 +225,95 @@ def test_draft_tree_shape_and_determinism():
 # ---- speculative decoding == greedy ---------------------------------------------------
 
 
+def logging_verify(verify_fn, log: list):
+    """``verify_fn``, logging each call's (tokens [N], input_pos [N], tree mask [N, N])."""
+
+    def verify(model, tokens, input_pos, cache_pos, mask):
+        log.append((tokens[0], input_pos, mask[0, 0][:, cache_pos]))
+        return verify_fn(model, tokens, input_pos, cache_pos, mask)
+
+    return verify
+
+
+def accepted_lengths(log: list, seq: torch.Tensor) -> list[int]:
+    """What greedy acceptance must emit at each logged verify, from the target's own greedy
+    sequence ``seq`` (prompt + output, long enough to cover every tree): 1 + the depth of the
+    deepest node that, like every ancestor, holds the token of ``seq`` at its position."""
+    lengths = []
+    for tokens, pos, sees in log:
+        right = tokens == seq[pos]  # [N]
+        on_right_path = (right[None, :] | ~sees).all(1)  # itself and every ancestor right
+        lengths.append(1 + int((pos - pos[0])[on_right_path].max()))
+    return lengths
+
+
 def test_speculative_greedy_equals_greedy_compiled_verify():
+    """Fails also if acceptance stops short of, or runs past, the longest right path (e.g.
+    accept_greedy taking the first path, or dropping the path's last node)."""
     torch._dynamo.reset()
     graphs = []  # the verify step goes through the fxcoalesce pipeline (Python codegen)
     be = fxcoalesce.backend(fxcoalesce.Config(codegen="eager", strict=True),
                             on_graph=lambda before, after, report: graphs.append(report))
-    verify = torch.compile(e3.verify_step, backend=be, fullgraph=True)
+    verify, log = torch.compile(e3.verify_step, backend=be, fullgraph=True), []
     target, draft = make_pair()
-    want = e3.greedy_generate(target, PROMPT, 40)
-    draft = hinted_draft(draft, torch.cat([PROMPT, want]))
-    got, stats = e3.speculative_generate(target, draft, PROMPT, 40, verify_fn=verify,
+    seq = torch.cat([PROMPT, e3.greedy_generate(target, PROMPT, 48)])
+    draft = hinted_draft(draft, seq)
+    got, stats = e3.speculative_generate(target, draft, PROMPT, 40,
+                                         verify_fn=logging_verify(verify, log),
                                          top_k=4, depth=4, total_tokens=16)
     torch._dynamo.reset()
-    assert torch.equal(got, want)
+    assert torch.equal(got, seq[len(PROMPT) : len(PROMPT) + 40])
     assert len(graphs) == 1  # fixed tree size: one compile for every step
-    assert max(stats.accepted) >= 4 and min(stats.accepted) < 4, stats.accepted
+    assert stats.accepted == accepted_lengths(log, seq)
+    assert max(stats.accepted) >= 4 and min(stats.accepted) < 4, stats.accepted  # both happen
 
 
 @pytest.mark.parametrize("top_k, depth, total_tokens", [(8, 5, 30), (2, 6, 12), (1, 3, 4)])
 def test_speculative_greedy_equals_greedy(top_k, depth, total_tokens):
+    """The target's own greedy tokens, and at each verify exactly the longest right path
+    accepted (with a random draft: only the bonus token, every time)."""
     target, draft = make_pair(ds.CONFIGS["kimi-k2-tiny"])
-    want = e3.greedy_generate(target, PROMPT, 33)
+    seq = torch.cat([PROMPT, e3.greedy_generate(target, PROMPT, 33 + depth + 1)])
+    log = []
     got, stats = e3.speculative_generate(target, draft, PROMPT, 33, top_k=top_k, depth=depth,
-                                         total_tokens=total_tokens)
-    assert torch.equal(got, want)
-    assert stats.mean_accepted >= 1.0
+                                         total_tokens=total_tokens,
+                                         verify_fn=logging_verify(e3.verify_step, log))
+    assert torch.equal(got, seq[len(PROMPT) : len(PROMPT) + 33])
+    assert stats.accepted == accepted_lengths(log, seq)
+
+
+class ScriptedDraft(e3.Eagle3Draft):
+    """The draft network overruled by a script: at input position j (which holds the token
+    at j + 1) the logit of ``script[j + 2]`` gets ``bias``."""
+
+    def __init__(self, args: e3.DraftArgs, script: torch.Tensor, bias: float):
+        super().__init__(args)
+        self.register_buffer("script", script)
+        self.bias = bias
+
+    def forward(self, tokens, hidden, input_pos, cache_pos, mask):
+        logits, hidden = super().forward(tokens, hidden, input_pos, cache_pos, mask)
+        scripted = self.script[(input_pos + 2).clamp(max=self.script.shape[0] - 1)]  # [S]
+        return logits + self.bias * F.one_hot(scripted, logits.shape[-1]), hidden
+
+
+@pytest.mark.parametrize("bias, accepted", [(1e4, [5] * 7), (-1e4, [1] * 32)])
+def test_accepted_length_follows_the_draft(bias, accepted):
+    """A draft that knows the target's greedy tokens has its whole best path accepted, depth
+    + 1 = 5 tokens per verify; one that ranks the target's token last has none accepted, 1 per
+    verify. Fails if accept_greedy stops after one token, takes the first path instead of the
+    longest or drops the path's last node; if draft_tree puts the prefix or the tree levels
+    one position off (the script reads positions), reads the first level from the wrong
+    logits row, or keeps nodes in pool order instead of by score; if the bonus token is
+    counted twice."""
+    target, draft = make_pair()
+    seq = torch.cat([PROMPT, e3.greedy_generate(target, PROMPT, 40)])
+    scripted = ScriptedDraft(draft.args, seq, bias)
+    scripted.load_state_dict(draft.state_dict(), strict=False)
+    got, stats = e3.speculative_generate(target, scripted.double(), PROMPT, 33, top_k=4,
+                                         depth=4, total_tokens=16)
+    assert torch.equal(got, seq[len(PROMPT) : len(PROMPT) + 33])
+    assert stats.accepted == accepted
 
 
 def test_speculative_sampling_runs_and_is_seeded():
@@ -258,7 +322,6 @@ def test_speculative_sampling_runs_and_is_seeded():
                                     generator=torch.Generator().manual_seed(3), top_k=4, depth=3,
                                     total_tokens=12)[0] for _ in range(2)]
     assert torch.equal(runs[0], runs[1]) and runs[0].shape == (24,)
-    assert 0 <= int(runs[0].min()) and int(runs[0].max()) < SMALL_VOCAB.vocab
 
 
 def test_speculative_rejects_too_long_generation():
@@ -270,25 +333,29 @@ def test_speculative_rejects_too_long_generation():
 def _tp2_generate_worker(rank: int, world: int) -> dict:
     torch.set_num_threads(1)
     target, draft = make_pair()
-    tp1 = e3.greedy_generate(target, PROMPT, 32)
-    draft = hinted_draft(draft, torch.cat([PROMPT, tp1]))
+    tp1 = e3.greedy_generate(target, PROMPT, 40)
+    seq = torch.cat([PROMPT, tp1])
+    draft = hinted_draft(draft, seq)
     ds.apply_tp(target, dist.group.WORLD)
     tp2 = e3.greedy_generate(target, PROMPT, 32)
-    reports = []
+    reports, log = [], []
     be = fxcoalesce.backend(fxcoalesce.Config(codegen="eager", strict=True),
                             on_graph=lambda before, after, report: reports.append(report))
     verify = torch.compile(e3.verify_step, backend=be, fullgraph=True)
-    spec, stats = e3.speculative_generate(target, draft, PROMPT, 32, verify_fn=verify,
+    spec, stats = e3.speculative_generate(target, draft, PROMPT, 32,
+                                          verify_fn=logging_verify(verify, log),
                                           top_k=4, depth=4, total_tokens=16)
-    return dict(tp1=tp1.tolist(), tp2=tp2.tolist(), spec=spec.tolist(),
-                accepted=stats.accepted, all_reduce=reports[0].all_reduce)
+    return dict(tp1=tp1[:32].tolist(), tp2=tp2.tolist(), spec=spec.tolist(),
+                accepted=stats.accepted, right=accepted_lengths(log, seq),
+                all_reduce=reports[0].all_reduce)
 
 
 def test_speculative_greedy_tp2_gloo():
     ranks = spawn(_tp2_generate_worker, 2, backend="gloo")
     for r in ranks:
         assert r["tp2"] == r["tp1"] and r["spec"] == r["tp1"]
-        assert max(r["accepted"]) >= 3
+        assert r["accepted"] == r["right"]
+        assert max(r["accepted"]) >= 3  # long paths were accepted, not only bonus tokens
         # shared + routed experts of each MoE layer fused: 1 + 4 + 1 + 3·2 = 12 -> 9
         assert r["all_reduce"]["before"] == 12 and r["all_reduce"]["after"] == 9
     assert ranks[0]["spec"] == ranks[1]["spec"]

@@ -34,15 +34,13 @@ def test_hand_merged_matches_pass():
     assert hand["bytes_before"] == auto["bytes_after"] < auto["bytes_before"]
 
 
-def test_full_size_falcon_is_linear_and_fast():
-    """falcon-40b at full width, layer count halved vs full: rewrite time grows ~linearly."""
-    times = {}
-    for layers in (8, 16):
-        r = trace_model("falcon-40b", tp=8, tokens=3, layers=layers).report
-        assert r.all_reduce["after"] == r.all_reduce["lower_bound"] == 1 + layers
-        times[layers] = r.analysis_ms + sum(p["ms"] for p in r.passes)
-    assert times[16] < 1000
-    assert times[16] < 3.5 * times[8]
+def test_full_size_falcon_reaches_the_bound():
+    """falcon-40b at full width, 8 layers: attention and MLP of each parallel block fused.
+    (How the rewrite time grows with depth: benchmarks/trace_time.py.)"""
+    layers = 8
+    r = trace_model("falcon-40b", tp=8, tokens=3, layers=layers).report
+    assert r.all_reduce["before"] == 1 + 2 * layers
+    assert r.all_reduce["after"] == r.all_reduce["lower_bound"] == 1 + layers
 
 
 @pytest.mark.parametrize("name", ["neox-tiny", "kimi-k2-tiny"])
