@@ -100,8 +100,12 @@ def backend(config: Config | None = None, *, on_graph: Callable | None = None,
         if not (check_ranks or local):
             return compiled
         # choices that read this rank's compute are agreed on at the first call; if ranks
-        # differ, all of them fall back to merging every group (rank-invariant by itself)
-        fallback = (lambda: build(replace(cfg, slack_aware=False))[:2]) if local else None
+        # differ, all of them fall back to merging every group (rank-invariant by itself).
+        # Every checking rank must take the same steps: one without local choices keeps its
+        # graph as the fallback, and still joins the second comparison.
+        def fallback():
+            return build(replace(cfg, slack_aware=False))[:2] if local else (compiled, sequences)
+
         return checked(compiled, name, sequences, fallback=fallback)
 
     return compile_graph
