@@ -12,6 +12,16 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_map
 
 
+REPLACES = "fxcoalesce_replaces"
+"""Node meta key: on a collective a pass made, the names of the original collectives it
+stands for (in the graph the pipeline was given)."""
+
+
+def replaced(collectives) -> list[str]:
+    """What a new collective replaces: the originals behind each of ``collectives``."""
+    return [name for n in collectives for name in n.meta.get(REPLACES, [n.name])]
+
+
 def tensor_val(node: object) -> torch.Tensor | None:
     """The node's fake tensor value (``example_value`` in Dynamo-level graphs), or None."""
     if not isinstance(node, Node):

@@ -29,7 +29,7 @@ from fxcoalesce.analysis import Analysis, BlockInfo, analyze
 from fxcoalesce.collectives import ALL_REDUCE, WAIT
 from fxcoalesce.config import Config
 from fxcoalesce.graph_order import reorder
-from fxcoalesce.meta import fake_mode_of, propagate_val, storage_of
+from fxcoalesce.meta import REPLACES, fake_mode_of, propagate_val, replaced, storage_of
 
 from .decide import Decider
 from .result import Bucket, PassResult
@@ -118,6 +118,7 @@ def _fuse(gm: GraphModule, group: list[BlockInfo], floor: Node | None, mode,
     cat = emit(aten.cat.default, flats)
     key = blocks[0].key
     fused = emit(ALL_REDUCE, cat, key.op, key.group)
+    fused.meta[REPLACES] = replaced(b.collective for b in blocks)
     wait = emit(WAIT, fused)
     parts = emit(aten.split_with_sizes.default, wait, numels)
     for i, (b, shape) in enumerate(zip(blocks, shapes)):
