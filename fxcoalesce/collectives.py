@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.fx import Graph, Node
 
-from .meta import numel, storage_of, tensor_val
+from .meta import SLICED, numel, storage_of, tensor_val
 
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
@@ -133,8 +133,17 @@ def _looks_like_comm(node: Node) -> bool:
 
 def is_collective(node: Node) -> bool:
     """Does running ``node`` launch communication that peers must match (waits excluded)?"""
+    if node.op != "call_function":
+        return False
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):  # the common case, decided by namespace
+        namespace = target.namespace
+        if namespace == "aten":
+            return False
+        if namespace == "_c10d_functional":
+            return target is not WAIT
     target = op_of(node)
-    if node.op != "call_function" or target is WAIT:
+    if target is WAIT:
         return False
     return (target in (ALL_REDUCE, ALL_REDUCE_) or target in OTHER_COLLECTIVES
             or getattr(target, "namespace", "") == "_c10d_functional" or _looks_like_comm(node))
@@ -255,7 +264,9 @@ def describe(node: Node) -> str:
     vals = val if isinstance(val, (list, tuple)) else [val]
     tensors = ", ".join(f"{str(v.dtype).removeprefix('torch.')}{list(v.shape)}"
                         for v in vals if isinstance(v, torch.Tensor))
-    return f"{name}({', '.join(map(str, args))}) -> {tensors}"
+    sliced = node.meta.get(SLICED)
+    return f"{name}({', '.join(map(str, args))}) -> {tensors}" + (
+        f" of {sliced}" if sliced else "")
 
 
 def issue_sequence(graph: Graph) -> list[tuple[str | None, str]]:

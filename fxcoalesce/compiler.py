@@ -11,7 +11,6 @@ import copy
 import hashlib
 import os
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -69,7 +68,7 @@ def backend(config: Config | None = None, *, on_graph: Callable | None = None,
     are accepted too. ``codegen="eager"`` runs the rewritten graph as Python (for debugging).
     ``on_graph(before, after, report)`` is called for every graph (inspection tools use it).
     """
-    from fxcoalesce.passes import check_config
+    from fxcoalesce.passes import check_config, rank_invariant
 
     cfg = config or Config()
     check_config(cfg)
@@ -104,7 +103,7 @@ def backend(config: Config | None = None, *, on_graph: Callable | None = None,
         # Every checking rank must take the same steps: one without local choices keeps its
         # graph as the fallback, and still joins the second comparison.
         def fallback():
-            return build(replace(cfg, slack_aware=False))[:2] if local else (compiled, sequences)
+            return build(rank_invariant(cfg))[:2] if local else (compiled, sequences)
 
         return checked(compiled, name, sequences, fallback=fallback)
 
@@ -179,11 +178,11 @@ class FxCoalescePass(CustomGraphPass):
     """
 
     def __init__(self, config: Config | None = None):
-        from fxcoalesce.passes import check_config
+        from fxcoalesce.passes import check_config, rank_invariant
 
         # Inductor calls this pass once per rank with no chance to agree across ranks, so
-        # choices must not read compute estimates here (see Config.slack_aware)
-        self.config = replace(config or Config(), slack_aware=False)
+        # choices must not read compute estimates, nor rest on unchecked facts (slice)
+        self.config = rank_invariant(config or Config())
         check_config(self.config)
         if self.config.check_ranks:
             raise ValueError("Config(check_ranks=True) needs the fxcoalesce backend "

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-DEFAULT_PASSES = ("linearity", "bucket", "schedule")
+DEFAULT_PASSES = ("slice", "linearity", "bucket", "schedule")
 
 
 class ProfileError(ValueError):

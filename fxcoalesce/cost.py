@@ -64,8 +64,21 @@ def _flops(node: Node) -> int:
     return _numel(out) if out is not None else 0
 
 
+COST_KEY = "fxcoalesce_cost"
+"""Node meta key caching (roofline, µs): nodes are estimated once, whatever reads them."""
+
+
 def node_us(node: Node, roof: Roofline) -> float:
     """Roofline time of one node (0 for views, collectives, waits and non-tensor nodes)."""
+    cached = node.meta.get(COST_KEY)
+    if cached is not None and cached[0] == roof:
+        return cached[1]
+    us = _node_us(node, roof)
+    node.meta[COST_KEY] = (roof, us)
+    return us
+
+
+def _node_us(node: Node, roof: Roofline) -> float:
     out = tensor_val(node)
     if node.op != "call_function" or out is None or is_collective(node) or op_of(node) is WAIT:
         return 0.0

@@ -17,6 +17,11 @@ REPLACES = "fxcoalesce_replaces"
 stands for (in the graph the pipeline was given)."""
 
 
+SLICED = "fxcoalesce_sliced"
+"""Node meta key: on a collective the slice pass made, the slice it reduces (e.g.
+``select(1, -1)``); part of the collective's description, so ranks compare it."""
+
+
 def replaced(collectives) -> list[str]:
     """What a new collective replaces: the originals behind each of ``collectives``."""
     return [name for n in collectives for name in n.meta.get(REPLACES, [n.name])]

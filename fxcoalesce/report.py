@@ -30,6 +30,9 @@ class Report:
     windows: list[dict] = field(default_factory=list)
     passes: list[dict] = field(default_factory=list)
     analysis_ms: float = 0.0
+    """The first analysis alone (ms)."""
+    total_ms: float = 0.0
+    """The whole pipeline call: analyses, graph copy, passes, lint, report (ms)."""
     nodes: dict[str, int] = field(default_factory=dict)
     other_collectives: dict[str, int] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)

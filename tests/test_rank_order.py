@@ -223,3 +223,41 @@ def test_ranks_agree_on_cost_model_choices():
     for r in res:
         for got, want in zip(r["got"], r["want"], strict=True):
             torch.testing.assert_close(got, want)
+
+
+def own_row_after_reduce(x, y, bias):
+    """Each rank keeps its own row of a reduction (a hand-written reduce-scatter). Reducing
+    only the selected row would sum different rows on different ranks: the backend's first
+    call must see the slices differ and fall back to the unsliced graph."""
+    return (ar(x * 2)[dist.get_rank()],)
+
+
+def last_row_after_reduce(x, y, bias):
+    """The same slice on every rank (last-token style): reduced sliced, and agreed on."""
+    return (ar(x * 2)[-1],)
+
+
+def _slice_run(rank, world, name):
+    torch.set_num_threads(1)
+    fn = {"own": own_row_after_reduce, "last": last_row_after_reduce}[name]
+    reports = []
+    torch._dynamo.reset()
+    be = fxcoalesce.backend(fxcoalesce.Config(codegen="eager"),
+                            on_graph=lambda b, a, r: reports.append(r))
+    got = torch.compile(fn, backend=be, fullgraph=True)(*_inputs(rank))
+    return {"got": got, "want": eager(fn, _inputs(rank)),
+            "bytes_after": [r.all_reduce["bytes_after"] for r in reports]}
+
+
+def test_rank_dependent_slice_falls_back():
+    res = spawn(_slice_run, 2, ("own",), backend="gloo", timeout=300)
+    for r in res:  # sliced first (64 B), then every rank recompiled unsliced (512 B)
+        assert r["bytes_after"] == [64, 512]
+        torch.testing.assert_close(r["got"][0], r["want"][0])
+
+
+def test_rank_invariant_slice_stays_sliced():
+    res = spawn(_slice_run, 2, ("last",), backend="gloo", timeout=300)
+    for r in res:
+        assert r["bytes_after"] == [64]
+        torch.testing.assert_close(r["got"][0], r["want"][0])

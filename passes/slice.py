@@ -1,0 +1,74 @@
+"""slice: reduce only what is used, when an all_reduce's result is only read through a slice.
+
+Requires: nothing (exact for every reduce op: reduction is elementwise across ranks).
+Ensures: an all_reduce whose wait has a single user that slices it with integer arguments
+(``slice``, ``select``; ``narrow`` and basic indexing lower to these) reduces the sliced part
+of its input instead: the bytes drop by the slice ratio. Last-token logits after a reduction
+are the typical case.
+
+    before                                    after
+    %w = wait(all_reduce(%x, sum, 0))         %xs = select(%x, 1, -1)
+    %y = select(%w, 1, -1)                    %y  = wait(all_reduce(clone(%xs), sum, 0))
+
+A slice whose arguments differ between ranks (``AR(x).chunk(world)[rank]``) would make this
+wrong, and one rank's graph cannot tell. So the new collective records its slice, which
+becomes part of the issue sequence the backend compares across ranks at the first call
+(``rank_check``); on any difference every rank recompiles without this pass. Index tensors
+(``index``, ``gather``) are left alone: their values could differ between ranks unseen.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.fx import GraphModule, Node
+
+from fxcoalesce.analysis import analyze
+from fxcoalesce.collectives import ALL_REDUCE, WAIT
+from fxcoalesce.config import Config
+from fxcoalesce.meta import REPLACES, SLICED, fake_mode_of, propagate_val, replaced
+
+from .result import Bucket, PassResult
+
+aten = torch.ops.aten
+SLICES = {aten.slice.Tensor, aten.select.int}
+
+
+def _int_slice(node: Node) -> bool:
+    return (node.op == "call_function" and node.target in SLICES and not node.kwargs
+            and all(isinstance(a, int) or a is None for a in node.args[1:]))
+
+
+def slice_pass(gm: GraphModule, *, cfg: Config) -> PassResult:
+    result = PassResult()
+    analysis = analyze(gm)
+    graph = gm.graph
+    mode = fake_mode_of(analysis.order)
+    for block in analysis.scan.blocks:
+        users = list(block.wait.users)
+        if block.inplace or block.copy_back is not None or len(users) != 1:
+            continue
+        (use,) = users
+        if not _int_slice(use) or use.args[0] is not block.wait:
+            continue
+        with graph.inserting_before(block.collective):
+            part = graph.call_function(use.target, (block.input, *use.args[1:]))
+            dense = graph.call_function(aten.clone.default, (part,),
+                                        {"memory_format": torch.contiguous_format})
+            fused = graph.call_function(ALL_REDUCE, (dense, block.key.op, block.key.group))
+            wait = graph.call_function(WAIT, (fused,))
+        for n in (part, dense, fused, wait):
+            propagate_val(n, mode)
+        fused.meta[REPLACES] = replaced([block.collective])
+        fused.meta[SLICED] = f"{use.target._opname}{tuple(use.args[1:])}"
+        use.replace_all_uses_with(wait)
+        for n in (use, block.wait, block.collective):
+            graph.erase_node(n)
+        nbytes = part.meta["val"].numel() * part.meta["val"].element_size()
+        result.buckets.append(Bucket(members=[block.collective.name], nbytes=nbytes,
+                                     level=0, key=str(block.key), collective=fused.name,
+                                     kind="slice"))
+        # the slice is a local guess about rank-invariance: the backend agrees on it
+        result.decisions.append({"members": [block.collective.name], "chose": "slice",
+                                 "slice": fused.meta[SLICED], "local": True})
+    result.changed = bool(result.buckets)
+    return result
