@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -22,7 +23,9 @@ from .config import Config
 from .pipeline import next_graph_name, run_pipeline
 from .rank_check import checked, has_peers
 
+log = logging.getLogger("fxcoalesce")
 CHECK_RANKS_ENV = "FXCOALESCE_CHECK_RANKS"
+PROFILE_ENV = "FXCOALESCE_PROFILE"
 OVERLAP_PATCHES = {"reorder_for_compute_comm_overlap": True,
                    "reorder_for_compute_comm_overlap_passes": ["sink_waits", "raise_comms"]}
 
@@ -72,6 +75,8 @@ def backend(config: Config | None = None, *, on_graph: Callable | None = None,
 
     cfg = config or Config()
     check_config(cfg)
+    if config is None or config.cost == Config().cost:
+        cfg = _with_env_profile(cfg)
     base = inductor_patches(mode, options, cfg.codegen)
     if cfg.inductor_overlap and cfg.codegen == "inductor":
         base = {**OVERLAP_PATCHES, **base}
@@ -108,6 +113,24 @@ def backend(config: Config | None = None, *, on_graph: Callable | None = None,
         return checked(compiled, name, sequences, fallback=fallback)
 
     return compile_graph
+
+
+def _with_env_profile(cfg: Config) -> Config:
+    """``cfg`` with the cost profile named by ``FXCOALESCE_PROFILE``, if one is set. Not asked
+    for in code, so a problem with it is a warning and the default model, not an error."""
+    from dataclasses import replace
+
+    from .config import CostModel, ProfileError
+
+    path = os.environ.get(PROFILE_ENV)
+    if not path:
+        return cfg
+    try:
+        return replace(cfg, cost=CostModel.from_profile(path))
+    except ProfileError as e:
+        log.warning("fxcoalesce: %s=%s ignored, using the default cost model: %s",
+                    PROFILE_ENV, path, e)
+        return cfg
 
 
 def _codegen(gm, example_inputs, rewrite, cfg: Config, patches: dict):
