@@ -12,6 +12,7 @@ import hashlib
 import logging
 import os
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -26,6 +27,8 @@ from .rank_check import checked, has_peers
 log = logging.getLogger("fxcoalesce")
 CHECK_RANKS_ENV = "FXCOALESCE_CHECK_RANKS"
 PROFILE_ENV = "FXCOALESCE_PROFILE"
+DUMP_ENV = "FXCOALESCE_DUMP"
+"""A directory: dump every graph the backend compiles there, as ``Config.dump_dir`` does."""
 OVERLAP_PATCHES = {"reorder_for_compute_comm_overlap": True,
                    "reorder_for_compute_comm_overlap_passes": ["sink_waits", "raise_comms"]}
 
@@ -60,6 +63,13 @@ def inductor_patches(mode: str | None, options: dict | None, codegen: str) -> di
     return patches
 
 
+def _with_env_dump(cfg: Config) -> Config:
+    """``cfg`` with ``dump_dir`` from ``FXCOALESCE_DUMP`` when it sets none itself."""
+    if cfg.dump_dir is None and os.environ.get(DUMP_ENV):
+        return replace(cfg, dump_dir=os.environ[DUMP_ENV])
+    return cfg
+
+
 def backend(config: Config | None = None, *, on_graph: Callable | None = None,
             mode: str | None = None, options: dict | None = None):
     """A ``torch.compile`` backend: dynamo → AOTAutograd → fxcoalesce passes → codegen.
@@ -70,10 +80,12 @@ def backend(config: Config | None = None, *, on_graph: Callable | None = None,
     with ``mode="reduce-overhead"``); torch.compile's own ``mode=`` / ``options=`` arguments
     are accepted too. ``codegen="eager"`` runs the rewritten graph as Python (for debugging).
     ``on_graph(before, after, report)`` is called for every graph (inspection tools use it).
+    ``FXCOALESCE_DUMP=dir`` in the environment sets ``Config.dump_dir`` when ``config`` has
+    none.
     """
     from fxcoalesce.passes import check_config, rank_invariant
 
-    cfg = config or Config()
+    cfg = _with_env_dump(config or Config())
     check_config(cfg)
     if config is None or config.cost == Config().cost:
         cfg = _with_env_profile(cfg)
@@ -225,5 +237,6 @@ class FxCoalescePass(CustomGraphPass):
 
 
 def inductor_pass(config: Config | None = None) -> FxCoalescePass:
-    """The fxcoalesce pipeline as an Inductor ``CustomGraphPass``."""
-    return FxCoalescePass(config)
+    """The fxcoalesce pipeline as an Inductor ``CustomGraphPass`` (``FXCOALESCE_DUMP`` as for
+    :func:`backend`; a graph served from Inductor's cache skips the pass and is not dumped)."""
+    return FxCoalescePass(_with_env_dump(config or Config()))

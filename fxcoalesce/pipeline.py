@@ -7,16 +7,20 @@ import copy
 import gc
 import itertools
 import logging
+import re
 import time
 from dataclasses import asdict
 from pathlib import Path
 
+import torch.distributed as dist
+from torch._logging import trace_structured
 from torch.fx import Graph, GraphModule
 from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
 
 from .analysis import analyze
 from .config import Config
 from .collectives import group_setup
+from .meta import REPLACES
 from .report import Report, build_report, record
 
 log = logging.getLogger("fxcoalesce")
@@ -98,18 +102,55 @@ def _run_pipeline(gm: GraphModule, cfg: Config, *, name: str | None) -> tuple[Gr
     # everything this call cost: analyses, copy, passes, lint, report (not the dump below)
     report.total_ms = round((time.perf_counter() - t0) * 1e3, 3)
     record(report)
+    trace_artifacts(gm, work, report)
     if cfg.dump_dir:
         dump(cfg.dump_dir, name, gm, work, report)
     return work, report
 
 
+def trace_artifacts(before: GraphModule, after: GraphModule, report: Report) -> None:
+    """The graphs, the report and the collective picture as structured-trace artifacts, so
+    ``TORCH_TRACE=dir`` + ``tlparse`` show them next to Inductor's own. Costs a few calls
+    when tracing is off: ``trace_structured`` calls no ``payload_fn`` then."""
+    from .picture import graph_dot
+
+    dot = lambda: graph_dot(before, after, title=report.graph,  # noqa: E731
+                            bound=report.all_reduce["lower_bound"])
+    for name, encoding, payload in (
+            ("fxcoalesce_before", "string", lambda: graph_text(before)),
+            ("fxcoalesce_after", "string", lambda: graph_text(after)),
+            ("fxcoalesce_report", "json", report.to_json),
+            ("fxcoalesce_collectives", "string", dot)):
+        trace_structured("artifact", metadata_fn=lambda name=name, encoding=encoding: {
+            "name": name, "encoding": encoding}, payload_fn=payload)
+
+
 def graph_text(gm: GraphModule) -> str:
-    return gm.print_readable(print_output=False, include_stride=False, include_device=False)
+    """The readable code of ``gm``; a comment above each collective a pass made names the
+    original collectives it replaces."""
+    text = gm.print_readable(print_output=False, include_stride=False, include_device=False)
+    notes = {n.name: n.meta[REPLACES] for n in gm.graph.nodes if REPLACES in n.meta}
+    if not notes:
+        return text
+    lines = []
+    for line in text.splitlines(keepends=True):
+        m = re.match(r"(\s*)(\w+)(?::| =)", line)
+        if m and m.group(2) in notes:
+            names = notes[m.group(2)]
+            lines.append(f"{m.group(1)}# fxcoalesce: replaces {', '.join(names)}\n")
+        lines.append(line)
+    return "".join(lines)
 
 
 def dump(directory: str, name: str, before: GraphModule, after: GraphModule,
          report: Report, **extra) -> Path:
-    out = Path(directory) / name.replace(" ", "_")
+    """Write ``before.txt``, ``after.txt`` and ``report.json`` into ``directory/<graph>``
+    (``directory/rank<R>/<graph>`` when a process group of several ranks is up, so that
+    ranks sharing a directory do not overwrite each other)."""
+    out = Path(directory)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        out = out / f"rank{dist.get_rank()}"
+    out = out / name.replace(" ", "_")
     out.mkdir(parents=True, exist_ok=True)
     (out / "before.txt").write_text(graph_text(before))
     (out / "after.txt").write_text(graph_text(after))
