@@ -81,21 +81,45 @@ def _can_write_file(out: str, command: str = "bench") -> None:
     _no_file_above(out, Path(out).parent)
 
 
+def _drawings(args) -> None:
+    """What ``--format``, ``--timeline`` and ``--trace`` write needs ``--out`` and a renderer."""
+    from .draw import NEEDS_A_RENDERER, NEEDS_MATPLOTLIB, has_matplotlib, renderer
+
+    wants = [(args.format in ("svg", "png"), f"--format {args.format}",
+              f"collectives.{args.format}"),
+             (args.timeline, "--timeline", "timeline.png"),
+             (bool(args.trace), "--trace", "trace_timeline.png")]
+    for wanted, option, name in wants:
+        if wanted and not args.out:
+            raise ValueError(f"{option} writes {name}: give --out DIR")
+    if args.format in ("svg", "png") and renderer() is None:
+        raise ValueError(NEEDS_A_RENDERER.format(fmt=args.format))
+    for wanted, option, _ in wants[1:]:
+        if wanted and not has_matplotlib():
+            raise ValueError(NEEDS_MATPLOTLIB.format(what=option))
+    if args.trace and not Path(args.trace).is_file():
+        raise ValueError(f"--trace {args.trace}: no such file")
+
+
 def check_inspect(args) -> None:
     if args.list:
         return
-    if not args.model:
+    if not args.model and not args.trace:
         raise ValueError("--model is required (--list names the models)")
-    _at_least(1, tp=args.tp, tokens=args.tokens)
-    if args.layers is not None:
-        _at_least(1, layers=args.layers)
-    try:
-        Config(bucket_cap_mb=args.bucket_cap_mb)
-    except ValueError as e:
-        raise ValueError(f"--bucket-cap-mb: {e}") from None
+    if args.model:
+        _at_least(1, tp=args.tp, tokens=args.tokens)
+        if args.layers is not None:
+            _at_least(1, layers=args.layers)
+        try:
+            Config(bucket_cap_mb=args.bucket_cap_mb)
+        except ValueError as e:
+            raise ValueError(f"--bucket-cap-mb: {e}") from None
     if args.out:
         _can_make_dir(args.out)
-    _model(args.model, args.tp, args.step)
+    if args.format != "txt" or args.timeline or args.trace:
+        _drawings(args)
+    if args.model:
+        _model(args.model, args.tp, args.step)
 
 
 def check_bench(args) -> None:

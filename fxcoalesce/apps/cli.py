@@ -10,6 +10,7 @@ from pathlib import Path
 
 from fxcoalesce.apps import checks
 from fxcoalesce.config import Config
+from fxcoalesce.picture import MAX_BOXES
 
 
 def _table(rows: list[tuple[str, object]]) -> str:
@@ -33,6 +34,12 @@ def cmd_inspect(args) -> int:
         for name in models.model_names():
             print(name)
         return 0
+    if args.trace:
+        _draw_trace(args)
+    if not args.model:
+        return 0
+    # DOT without --out goes to stdout, so that it pipes into `dot`; the table goes aside
+    table_out = sys.stderr if args.format == "dot" and not args.out else sys.stdout
     cfg = Config(bucket_cap_mb=args.bucket_cap_mb)
     print(f"tracing {args.model} step={args.step} tp={args.tp} tokens={args.tokens} "
           "under fake tensors ...", file=sys.stderr)
@@ -41,7 +48,7 @@ def cmd_inspect(args) -> int:
     r = t.report
     a = r.all_reduce
     print(f"{args.model}{' (hand-merged)' if args.hand_merged else ''}  step={args.step}  "
-          f"TP={args.tp}  tokens={args.tokens}")
+          f"TP={args.tp}  tokens={args.tokens}", file=table_out)
     print(_table([
         ("all_reduce launches", f"{a['before']} -> {a['after']}  (lower bound {a['lower_bound']})"),
         ("all_reduce bytes", f"{a['bytes_before']} -> {a['bytes_after']}"),
@@ -54,9 +61,9 @@ def cmd_inspect(args) -> int:
                           + ")"),
         ("trace time", f"{t.seconds:.1f} s"),
         ("verdict", r.verdict),
-    ]))
+    ]), file=table_out)
     for w in r.warnings:
-        print(f"  warning: {w}")
+        print(f"  warning: {w}", file=table_out)
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
@@ -67,7 +74,54 @@ def cmd_inspect(args) -> int:
         (out / "before.txt").write_text(graph_text(t.before))
         (out / "after.txt").write_text(graph_text(t.after))
         print(f"wrote {out}/report.json, before.txt, after.txt")
+    _draw_model(args, t)
     return 0
+
+
+def _draw_model(args, t) -> None:
+    """The pictures ``--format dot|svg|png`` and ``--timeline`` ask for."""
+    from fxcoalesce.dag import find_collective_dag
+    from fxcoalesce.picture import collective_picture, to_dot
+
+    title = f"{args.model}  step={args.step}  TP={args.tp}  tokens={args.tokens}"
+    if args.format != "txt":
+        before = find_collective_dag(t.before)
+        panels = collective_picture(before, find_collective_dag(t.after, origins=before),
+                                    collapse=args.collapse,
+                                    bound=t.report.all_reduce["lower_bound"])
+        dot = to_dot(panels, title)
+        if not args.out:
+            print(dot, end="")
+        else:
+            (Path(args.out) / "collectives.dot").write_text(dot)
+            print(f"wrote {args.out}/collectives.dot")
+            if args.format in ("svg", "png"):
+                from fxcoalesce.apps.draw import render_picture
+
+                path = Path(args.out) / f"collectives.{args.format}"
+                engine = render_picture(panels, path, args.format, title=title)
+                print(f"wrote {path} (drawn by {engine})")
+    if args.timeline:
+        from fxcoalesce.apps.draw import draw_timelines
+        from fxcoalesce.timeline import predict_timeline
+
+        cost, world = Config().cost, t.report.predicted_comm_us["world_size_assumed"]
+        timelines = [predict_timeline(gm, cost, world, f"{name}, predicted")
+                     for name, gm in (("before", t.before), ("after", t.after))]
+        draw_timelines(timelines, Path(args.out) / "timeline.png", unit="µs (predicted)")
+        for tl in timelines:
+            print(f"  {tl.summary()}")
+        print(f"wrote {args.out}/timeline.png")
+
+
+def _draw_trace(args) -> None:
+    from fxcoalesce.apps.draw import draw_timelines, read_chrome_trace
+
+    timeline = read_chrome_trace(args.trace)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    draw_timelines([timeline], Path(args.out) / "trace_timeline.png", unit="µs (profiler)")
+    print(f"  {timeline.summary()}")
+    print(f"wrote {args.out}/trace_timeline.png")
 
 
 def cmd_bench(args) -> int:
@@ -159,6 +213,22 @@ def parser() -> argparse.ArgumentParser:
                    help="largest fused all_reduce, in MB (default: %(default)s)")
     i.add_argument("--out", help="directory to write report.json, before.txt and after.txt "
                                  "into, created if missing (default: write nothing)")
+    i.add_argument("--format", default="txt", choices=["txt", "dot", "svg", "png"],
+                   help="txt: the table (and the files above); dot, svg, png: also a picture "
+                        "of the collectives and their dependencies before and after, buckets "
+                        "coloured, as --out/collectives.dot (and .svg/.png: Graphviz if "
+                        "installed, else matplotlib); dot without --out prints the DOT on "
+                        "stdout and the table on stderr (default: %(default)s)")
+    i.add_argument("--collapse", default="auto", choices=["auto", "none", "layers", "levels"],
+                   help="one box per layer or per range of dependency depths instead of one "
+                        f"per collective; auto: per layer above {MAX_BOXES} collectives "
+                        "(default: %(default)s)")
+    i.add_argument("--timeline", action="store_true",
+                   help="also draw --out/timeline.png: compute and communication lanes of the "
+                        "step before and after, predicted by the cost model (needs matplotlib)")
+    i.add_argument("--trace", metavar="FILE",
+                   help="draw a torch.profiler chrome trace's compute and collective lanes as "
+                        "--out/trace_timeline.png (needs matplotlib); --model is optional then")
     i.set_defaults(fn=cmd_inspect, check=checks.check_inspect)
 
     b = sub.add_parser("bench", help="step latency with and without the pass on real ranks")

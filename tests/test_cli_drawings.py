@@ -1,0 +1,82 @@
+"""``fxcoalesce inspect --format dot|svg|png``, ``--timeline`` and ``--trace``: what they
+write, and their bad input (one line, exit 2, before any trace)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fxcoalesce.apps import cli
+from fxcoalesce.apps.draw import has_matplotlib
+
+PNG = b"\x89PNG\r\n\x1a\n"
+needs_matplotlib = pytest.mark.skipif(not has_matplotlib(), reason="matplotlib not installed")
+
+
+def refused(capsys, args: list[str]) -> str:
+    assert cli.main(["inspect", *args]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    return err.removeprefix("fxcoalesce inspect: error: ").removesuffix("\n")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "neox-tiny", "--format", "png"], "--format png writes collectives.png: give "
+                                                  "--out DIR"),
+    (["--model", "neox-tiny", "--timeline"], "--timeline writes timeline.png: give --out DIR"),
+    (["--trace", "t.json"], "--trace writes trace_timeline.png: give --out DIR"),
+    (["--trace", "no-such.json", "--out", "{tmp}"], "--trace no-such.json: no such file"),
+    (["--format", "png"], "--model is required (--list names the models)"),
+])
+def test_drawing_options_refused(capsys, tmp_path, args, message):
+    assert refused(capsys, [a.format(tmp=tmp_path) for a in args]) == message
+
+
+def test_svg_without_any_renderer_is_refused(capsys, monkeypatch, tmp_path):
+    from fxcoalesce.apps import draw
+
+    monkeypatch.setattr(draw, "renderer", lambda: None)
+    monkeypatch.setattr(draw, "has_matplotlib", lambda: False)
+    err = refused(capsys, ["--model", "neox-tiny", "--format", "svg", "--out", str(tmp_path)])
+    assert err == ("drawing svg needs Graphviz's `dot` on PATH or matplotlib (pip install "
+                   "'fxcoalesce[plot]'); --format dot writes the DOT text without either")
+    err = refused(capsys, ["--model", "neox-tiny", "--timeline", "--out", str(tmp_path)])
+    assert err == "--timeline needs matplotlib (pip install 'fxcoalesce[plot]')"
+
+
+def test_dot_without_out_goes_to_stdout(capsys):
+    assert cli.main(["inspect", "--model", "neox-tiny", "--tp", "4", "--format", "dot"]) == 0
+    out, err = capsys.readouterr()
+    # stdout is the DOT text alone (it pipes into `dot`); the table went to stderr
+    assert out.startswith("digraph fxcoalesce {\n") and out.endswith("}\n")
+    assert "subgraph cluster_before" in out and "subgraph cluster_after" in out
+    assert "all_reduce launches  9 -> 5  (lower bound 5)" in err
+
+
+@needs_matplotlib
+def test_png_and_timeline_are_written(capsys, tmp_path):
+    assert cli.main(["inspect", "--model", "neox-tiny", "--tp", "4", "--format", "png",
+                     "--timeline", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "after.txt", "before.txt", "collectives.dot", "collectives.png", "report.json",
+        "timeline.png"]
+    for name in ("collectives.png", "timeline.png"):
+        assert (tmp_path / name).read_bytes()[:8] == PNG, name
+    # each of the four buckets of neox-tiny (attention + MLP of a layer) is named in after.txt
+    assert (tmp_path / "after.txt").read_text().count("# fxcoalesce: replaces") == 4
+    assert "before, predicted: step" in out and "after, predicted: step" in out
+
+
+@needs_matplotlib
+def test_trace_alone_draws_its_lanes(capsys, tmp_path):
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"traceEvents": [
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 10, "tid": 1},
+        {"ph": "X", "cat": "cpu_op", "name": "gloo:all_reduce", "ts": 5, "dur": 20, "tid": 2},
+    ]}))
+    assert cli.main(["inspect", "--trace", str(trace), "--out", str(tmp_path / "o")]) == 0
+    assert "trace.json (CPU ops): step 25 µs, communication 20 µs (15 exposed)" in \
+        capsys.readouterr().out
+    assert (tmp_path / "o" / "trace_timeline.png").read_bytes()[:8] == PNG
