@@ -83,7 +83,8 @@ def _draw_model(args, t) -> None:
     from fxcoalesce.dag import find_collective_dag
     from fxcoalesce.picture import collective_picture, to_dot
 
-    title = f"{args.model}  step={args.step}  TP={args.tp}  tokens={args.tokens}"
+    title = (f"{args.model}{' (hand-merged)' if args.hand_merged else ''}  step={args.step}  "
+             f"TP={args.tp}  tokens={args.tokens}")
     if args.format != "txt":
         before = find_collective_dag(t.before)
         panels = collective_picture(before, find_collective_dag(t.after, origins=before),
