@@ -80,3 +80,16 @@ def test_trace_alone_draws_its_lanes(capsys, tmp_path):
     assert "trace.json (CPU ops): step 25 µs, communication 20 µs (15 exposed)" in \
         capsys.readouterr().out
     assert (tmp_path / "o" / "trace_timeline.png").read_bytes()[:8] == PNG
+
+
+@needs_matplotlib
+def test_timeline_uses_the_reports_cost_profile(capsys, monkeypatch, tmp_path):
+    profile = tmp_path / "profile.json"  # every all_reduce costs 1 ms, whatever its size
+    profile.write_text(json.dumps({"backend": "gloo", "device": "cpu", "world_size": 4,
+                                   "alpha_us": 1000.0, "beta_us_per_byte": 0.0}))
+    monkeypatch.setenv("FXCOALESCE_PROFILE", str(profile))
+    assert cli.main(["inspect", "--model", "neox-tiny", "--tp", "4", "--timeline",
+                     "--out", str(tmp_path / "o")]) == 0
+    out = capsys.readouterr().out
+    assert f"model: {profile}" in out  # the report's prediction read it too
+    assert "communication 9000 µs" in out and "communication 5000 µs" in out

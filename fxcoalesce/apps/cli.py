@@ -106,7 +106,11 @@ def _draw_model(args, t) -> None:
         from fxcoalesce.apps.draw import draw_timelines
         from fxcoalesce.timeline import predict_timeline
 
-        cost, world = Config().cost, t.report.predicted_comm_us["world_size_assumed"]
+        from fxcoalesce.config import CostModel
+
+        pred = t.report.predicted_comm_us  # the timeline uses the report's cost model
+        cost = Config().cost if pred["model"] == "default" else CostModel.from_profile(pred["model"])
+        world = pred["world_size_assumed"]
         timelines = [predict_timeline(gm, cost, world, f"{name}, predicted")
                      for name, gm in (("before", t.before), ("after", t.after))]
         draw_timelines(timelines, Path(args.out) / "timeline.png", unit="µs (predicted)")
