@@ -5,8 +5,8 @@ A node is one collective of the graph (all_reduce or any other), in issue order;
 when no other collective lies on the way (transitive reduction). Data dependencies only:
 side-effecting barriers, which the analysis also respects, are not drawn.
 
-    x ─ AR1 ─┬─ AR2 ─ AR3          nodes AR1 AR2 AR4 AR3, edges AR1→AR2, AR1→AR4, AR2→AR3
-             └─ AR4                (no AR1→AR3: AR2 is on the way)
+    x ─ AR1 ─┬─ AR2 ─ AR3      nodes AR1 AR2 AR4 AR3
+             └─ AR4            edges AR1→AR2, AR1→AR4, AR2→AR3 (no AR1→AR3: AR2 is on the way)
 
 Each node also says where it came from: the module path of the layer that issued it
 (``node.meta["nn_module_stack"]``) and, for a collective a pass made, the original

@@ -9,7 +9,8 @@ paths, else one box per range of dependency depths.
 
     digraph fxcoalesce {
       subgraph cluster_before {
-        "before/all_reduce_1" [label="all_reduce_1 · level 2\\nlayers.0.attn\\n384 B", fillcolor="#8dd3c7"];
+        "before/all_reduce_1" [label="all_reduce_1 · level 2\\nlayers.0.attn\\n384 B",
+                               fillcolor="#8dd3c7"];
         "before/all_reduce" -> "before/all_reduce_1";
       ...
 """

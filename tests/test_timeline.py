@@ -95,7 +95,7 @@ def test_chrome_trace_refuses_other_json(tmp_path):
 @pytest.mark.skipif(not has_matplotlib(), reason="matplotlib not installed")
 def test_timeline_png_is_written(tmp_path):
     gm = two_in_flight()
-    draw_timelines([predict_timeline(gm, COST, 2, "before"), predict_timeline(gm, COST, 2, "after")],
+    draw_timelines([predict_timeline(gm, COST, 2, name) for name in ("before", "after")],
                    tmp_path / "timeline.png")
     data = (tmp_path / "timeline.png").read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000

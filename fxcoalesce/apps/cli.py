@@ -109,7 +109,8 @@ def _draw_model(args, t) -> None:
         from fxcoalesce.config import CostModel
 
         pred = t.report.predicted_comm_us  # the timeline uses the report's cost model
-        cost = Config().cost if pred["model"] == "default" else CostModel.from_profile(pred["model"])
+        cost = (Config().cost if pred["model"] == "default"
+                else CostModel.from_profile(pred["model"]))
         world = pred["world_size_assumed"]
         timelines = [predict_timeline(gm, cost, world, f"{name}, predicted")
                      for name, gm in (("before", t.before), ("after", t.after))]
