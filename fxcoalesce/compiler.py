@@ -130,8 +130,6 @@ def backend(config: Config | None = None, *, on_graph: Callable | None = None,
 def _with_env_profile(cfg: Config) -> Config:
     """``cfg`` with the cost profile named by ``FXCOALESCE_PROFILE``, if one is set. Not asked
     for in code, so a problem with it is a warning and the default model, not an error."""
-    from dataclasses import replace
-
     from .config import CostModel, ProfileError
 
     path = os.environ.get(PROFILE_ENV)
