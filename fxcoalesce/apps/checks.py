@@ -200,6 +200,8 @@ def check_demo(args) -> None:
     _at_least(1, tp=args.tp)
     _at_least(2, "the first new token comes from the prefill, the others from verify steps",
               tokens=args.tokens)
+    if args.out:
+        _can_make_dir(args.out, "demo", "demo.json")
     _model(args.model, args.tp, "verify")
     _gpus(args.device, args.backend, args.tp)
 

@@ -231,6 +231,8 @@ def parser() -> argparse.ArgumentParser:
                    help="use the engines' hand-merged model code as the target")
     d.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="where weights and activations live (default: %(default)s)")
+    d.add_argument("--out", help="directory to write demo.json into, created if missing "
+                                 "(default: write nothing)")
     d.set_defaults(fn=cmd_demo, check=checks.check_demo)
 
     c = sub.add_parser("calibrate", help="measure all_reduce latency on real ranks and fit "
