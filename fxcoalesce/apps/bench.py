@@ -278,7 +278,9 @@ def _bench_tokens(r: _Rank, tokens: int) -> dict:
         f["times_us"] = times[name]
         f["recompiled"] = _graphs_made() != graphs
         f["reports"] = [rep.all_reduce for rep in f["reports"]]
-    return {"tokens": tokens, "variants": facts, "skipped": skipped}
+    notes = [] if hasattr(r.model, "setup_cache") or opt.step == "forward" else [
+        f"{opt.model} has no KV cache: its verify step is a plain forward over the tokens"]
+    return {"tokens": tokens, "variants": facts, "skipped": skipped, "notes": notes}
 
 
 def merge_ranks(per_rank: list[list[dict]], opt: BenchOptions, env: dict) -> list[dict]:
@@ -287,7 +289,7 @@ def merge_ranks(per_rank: list[list[dict]], opt: BenchOptions, env: dict) -> lis
     records = []
     for i, tokens in enumerate(opt.tokens):
         ranks = [res[i] for res in per_rank]
-        variants, notes = {}, []
+        variants, notes = {}, list(ranks[0]["notes"])
         for name, f in ranks[0]["variants"].items():
             steps = [max(vals) for vals in zip(*(rk["variants"][name]["times_us"]
                                                  for rk in ranks))]
