@@ -145,6 +145,11 @@ def _graphs_made() -> int:
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
+def _cudagraph_skips() -> int:
+    """Graphs Inductor left out of CUDA graphs (it logs why: mutated inputs, CPU ops ...)."""
+    return torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
+
+
 def _agree_failed(failed: bool, dev: torch.device) -> bool:
     """Whether any rank failed (every rank must take the same path after a compile)."""
     flag = torch.tensor([1.0 if failed else 0.0], device=dev)
@@ -167,7 +172,9 @@ class _Rank:
         cuda = opt.device == "cuda"
         self.dev = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else \
             torch.device("cpu")
-        if not cuda:
+        if cuda:
+            torch.cuda.set_device(self.dev)  # gloo ranks sharing GPUs: not set by spawn
+        else:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
         group = dist.group.WORLD
         self.say(f"building {opt.model}{f' ({opt.layers} layers)' if opt.layers else ''} "
@@ -181,6 +188,13 @@ class _Rank:
     def say(self, text: str) -> None:
         if self.rank == 0:
             print(text, file=sys.stderr, flush=True)
+
+    def call(self, fn, args: tuple):
+        """``fn(*args)``, as a step of its own for CUDA-graph trees (each call a new
+        generation: no variant's graph is recorded as the child of another's)."""
+        if self.opt.cudagraphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        return fn(*args)
 
     def step(self, model, tokens: int):
         """(callable, inputs on the device) of this run's step at ``tokens`` tokens."""
@@ -222,9 +236,10 @@ def _compile_all(r: _Rank, fns: dict, args: tuple, tokens: int):
             what = "running" if name == "eager" else "compiling"
             r.say(f"  {what} {name} ({i}/{len(opt.variants)}) ...")
             dist.barrier()
-            graphs, start, error = _graphs_made(), time.perf_counter(), None
+            graphs, skips = _graphs_made(), _cudagraph_skips()
+            start, error = time.perf_counter(), None
             try:
-                fn(*args)
+                r.call(fn, args)
             except Exception as e:  # noqa: BLE001 - reported, and every rank moves on alike
                 error = _first_line(e)
             seconds = time.perf_counter() - start
@@ -234,6 +249,7 @@ def _compile_all(r: _Rank, fns: dict, args: tuple, tokens: int):
                 continue
             calls[name] = fn
             facts[name] = {"compile_s": round(seconds, 2), "graphs": _graphs_made() - graphs,
+                           "cudagraph_skips": _cudagraph_skips() - skips,
                            "options": options, "reports": reports, "failed_tiers": failures}
             r.say(f"    done in {seconds:.1f} s")
             break
@@ -256,7 +272,7 @@ def _bench_tokens(r: _Rank, tokens: int) -> dict:
 
     for name, call in calls.items():  # not captured: CUDA-graph replays issue no ops
         with torch._inductor.config.patch({"triton.force_cudagraphs_warmup": True}):
-            facts[name].update(count_collectives(lambda: call(*args), itemsize))
+            facts[name].update(count_collectives(lambda: r.call(call, args), itemsize))
     graphs = _graphs_made()
     before = r.opt.rounds_before_timing
     r.say(f"  timing: {before} warm-up + {opt.steps} timed rounds, each variant once per "
@@ -266,9 +282,7 @@ def _bench_tokens(r: _Rank, tokens: int) -> dict:
     for round_ in range(before + opt.steps):
         for name in names if round_ % 2 == 0 else names[::-1]:
             dist.barrier()
-            if opt.cudagraphs:
-                torch.compiler.cudagraph_mark_step_begin()
-            out, us = timed(lambda: calls[name](*args), r.dev)
+            out, us = timed(lambda: r.call(calls[name], args), r.dev)
             if round_ >= before:
                 times[name].append(us)
             if round_ == before + opt.steps - 1:
@@ -311,6 +325,9 @@ def merge_ranks(per_rank: list[list[dict]], opt: BenchOptions, env: dict) -> lis
                 notes.append(f"{name}: ranks issued different all_reduce counts {launches}")
             if name == "fxcoalesce" and not f["reports"]:
                 notes.append("fxcoalesce: no report recorded, so the pass did not run")
+            if opt.cudagraphs and f["cudagraph_skips"] and name != "eager":
+                notes.append(f"{name}: Inductor skipped CUDA graphs for {f['cudagraph_skips']} "
+                             "graph(s) (its log says why)")
             if f["graphs"] != 1 and name != "eager":
                 notes.append(f"{name}: dynamo made {f['graphs']} graphs on its first call, "
                              "expected 1")
