@@ -110,6 +110,19 @@ def test_inductor_bucketing_options_on_cpu():
     assert not any("enable_overlap_scheduling" in k for t in tiers for k in t)
 
 
+def test_inductor_bucketing_options_on_cuda():
+    """On CUDA the overlap scheduler comes first, with analytical estimates only (a rank that
+    benchmarked its own kernels could schedule differently from the others); each tier
+    keeps CUDA graphs."""
+    tiers = bucketing_options("cuda", cudagraphs=True)
+    sched = "aten_distributed_optimizations."
+    if f"{sched}compute_estimator" in torch._inductor.list_options():
+        assert tiers[0][f"{sched}enable_overlap_scheduling"] is True
+        assert tiers[0][f"{sched}compute_estimator"] == "analytical"
+    assert all(t["triton.cudagraphs"] is True for t in tiers)
+    assert tiers[-1] == {"bucket_all_reduces_fx": "all", "triton.cudagraphs": True}
+
+
 @pytest.mark.parametrize("name", ["neox-tiny", "kimi-k2-tiny"])
 def test_hand_merged_twin_is_the_hand_merged_model_on_shared_weights(name):
     model = models.build(name)

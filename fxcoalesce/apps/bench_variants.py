@@ -87,11 +87,13 @@ def bucketing_options(device: str, cudagraphs: bool) -> list[dict]:
     if cudagraphs:
         base["triton.cudagraphs"] = True
     sched = "aten_distributed_optimizations."
+    overlap = {f"{sched}enable_overlap_scheduling": True,
+               f"{sched}collective_estimator": "analytical",
+               f"{sched}compute_estimator": "analytical"}
     tiers = []
-    if device == "cuda" and f"{sched}enable_overlap_scheduling" in known:
-        tiers.append({**base, f"{sched}enable_overlap_scheduling": True,
-                      f"{sched}collective_estimator": "analytical",
-                      f"{sched}compute_estimator": "analytical"})
+    # only where every rank's estimate is sure to be the same (no benchmarking on the rank)
+    if device == "cuda" and set(overlap) <= known:
+        tiers.append({**base, **overlap})
     tiers.append({**base, "reorder_for_compute_comm_overlap": True,
                   "reorder_for_compute_comm_overlap_passes": ["sink_waits", "raise_comms"]})
     tiers.append(base)
