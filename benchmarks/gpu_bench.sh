@@ -91,6 +91,7 @@ EOF
 
 main() {
     echo "gpu_bench.sh ($MODE), budget ${BUDGET}s, $(date -u +%FT%TZ)"
+    rm -rf build  # setuptools' staging folder: a file deleted from the source would linger
     if [ $MODE = gpu ]; then
         "$PY" -m pip install -q --no-deps --no-build-isolation --upgrade --target /tmp/site . \
             || { echo "install failed"; return 1; }
