@@ -14,7 +14,7 @@
 #
 # $OUT gets (at most 8 files come back): log.txt (everything printed), results.jsonl (one
 # bench.json record per line, with "run" and "exit"), summary.md (each run's bench.md, then
-# the compact table), and the first two runs' charts as <run>.png.
+# the compact table), the first two runs' charts as <run>.png, and calibrate_*.json.
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1  # never multicast
 # Inductor's FX graph cache stays on (fxcoalesce turns it off only for its own compiles), so
@@ -71,6 +71,23 @@ for rec in json.load(open(sys.argv[1])):
     fi
 }
 
+# calibrate RUN MIN LIMIT ARGS...: `fxcoalesce calibrate`, its profile kept as $OUT/RUN.json
+calibrate() {
+    local run=$1 min=$2 limit=$3
+    shift 3
+    if [ -n "$ONLY" ] && [[ ",$ONLY," != *",$run,"* ]]; then return; fi
+    local l
+    l=$(left)
+    if [ "$l" -lt "$min" ]; then
+        echo "=== $run: skipped, ${l}s of the budget left (needs ${min}s)"
+        return
+    fi
+    [ "$limit" -gt $((l - 5)) ] && limit=$((l - 5))
+    echo "=== $run: fxcoalesce calibrate $* (limit ${limit}s)"
+    timeout -k 10 "$limit" "$PY" -m fxcoalesce.apps.cli calibrate "$@" --out "$OUT/$run.json"
+    echo "=== $run: exit $?"
+}
+
 table() {  # the compact table of everything measured, from results.jsonl
     "$PY" - "$OUT/results.jsonl" <<'EOF'
 import json, sys
@@ -116,6 +133,8 @@ if torch.cuda.is_available(): print("nccl", torch.cuda.nccl.version())' || retur
             --variants eager,hand-merged
         bench killed_cpu 20 8 "${c[@]}" --model neox-tiny --variants inductor  # times out
         bench never_cpu 100000 60 "${c[@]}" --model neox-tiny  # skipped: budget
+        calibrate calibrate_cpu 30 60 --tp 2 --backend gloo --device cpu --max-bytes 64K \
+            --budget 0.2
     else
         local g=(--tp 2 --backend nccl --device cuda --steps 100 --warmup 5)
         local falcon=(--model falcon-40b --layers 4 --step verify)
@@ -155,6 +174,11 @@ if torch.cuda.is_available(): print("nccl", torch.cuda.nccl.version())' || retur
             --nccl-mode p2p-off
         bench kimitiny_p2poff 60 150 "${g[@]}" --model kimi-k2-tiny --step verify \
             --tokens 3,16,64 --nccl-mode p2p-off
+        # 15-16: the cost model's all_reduce profile in both NCCL modes
+        calibrate calibrate_p2poff 60 120 --tp 2 --backend nccl --device cuda \
+            --nccl-mode p2p-off --max-bytes 32M
+        calibrate calibrate_nvlink 60 120 --tp 2 --backend nccl --device cuda \
+            --nccl-mode nvlink --max-bytes 32M
     fi
     echo
     echo "=== all results ($(($(date +%s) - START))s of ${BUDGET}s)"
