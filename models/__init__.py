@@ -36,16 +36,29 @@ def family_of(name: str) -> ModuleType:
     return reg[name]
 
 
+def args_of(name: str, layers: int | None = None):
+    """The config of model ``name``, with ``layers`` overriding its depth (the config's own
+    checks apply: ValueError when that depth does not make a valid model)."""
+    args = family_of(name).CONFIGS[name]
+    if layers is None:
+        return args
+    if layers < 1:
+        raise ValueError("the layer count must be at least 1")
+    return dataclasses.replace(args, n_layers=layers)
+
+
 def build(name: str, *, hand_merged: bool = False, dtype: torch.dtype = torch.float32,
           device=None, seed: int = 0, layers: int | None = None) -> torch.nn.Module:
     """The unsharded model ``name`` with seeded weights (``layers`` overrides its depth)."""
-    fam = family_of(name)
-    args = fam.CONFIGS[name]
-    if layers is not None:
-        if layers < 1:
-            raise ValueError("the layer count must be at least 1")
-        args = dataclasses.replace(args, n_layers=layers)
-    return fam.build(args, hand_merged=hand_merged, dtype=dtype, device=device, seed=seed)
+    return family_of(name).build(args_of(name, layers), hand_merged=hand_merged, dtype=dtype,
+                                 device=device, seed=seed)
+
+
+def parameter_count(name: str, layers: int | None = None) -> int:
+    """Parameters of the unsharded model ``name`` (counted on the meta device: no memory)."""
+    with torch.device("meta"):
+        model = family_of(name).Transformer(args_of(name, layers))
+    return sum(p.numel() for p in model.parameters())
 
 
 def apply_tp(model: torch.nn.Module, group) -> torch.nn.Module:

@@ -453,7 +453,12 @@ def build(name_or_args: str | MoEArgs, *, hand_merged: bool = False,
             raise ValueError(f"unknown model {name_or_args!r}; choose one of {sorted(CONFIGS)}")
         name_or_args = CONFIGS[name_or_args]
     args = replace(name_or_args, hand_merged=True) if hand_merged else name_or_args
-    with torch.device(device) if device is not None else contextlib.nullcontext():
-        model = Transformer(args)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # built in the final dtype: a float32 copy may not fit
+    try:
+        with torch.device(device) if device is not None else contextlib.nullcontext():
+            model = Transformer(args)
+    finally:
+        torch.set_default_dtype(previous)
     init_weights_(model, seed, dtype)
     return model

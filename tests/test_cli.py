@@ -86,7 +86,9 @@ def test_bad_input_is_one_line_and_exit_2(args, message):
      "--out {p} is a file; inspect writes a directory (report.json, before.txt, after.txt)"),
     ("file", ["inspect", "--model", "neox-tiny", "--out", "{p}/sub"],
      "--out {p}/sub: {p} is a file, not a directory"),
-    ("dir", ["bench", "--out", "{p}"], "--out {p} is a directory; bench writes one JSON file"),
+    ("file", ["bench", "--out", "{p}"],
+     "--out {p} is a file; bench writes a directory (bench.json, bench.md, bench.png)"),
+    ("file", ["demo", "--out", "{p}"], "--out {p} is a file; demo writes a directory (demo.json)"),
 ])
 def test_out_in_the_way_is_refused_before_the_work(tmp_path, make, args, message):
     """Regression: inspect --out naming a file failed only after the whole trace."""

@@ -1,71 +1,381 @@
-"""Side-by-side step latency of a model compiled with and without the fxcoalesce pass,
-on real ranks (gloo on CPU or host-staged CUDA, NCCL with one GPU per rank).
+"""``fxcoalesce bench``: one model step on real ranks, run several ways, timed side by side.
 
-Both variants run in the same processes, interleaved step by step after a warm-up, and
-their outputs are compared; latencies are medians (CUDA events on GPU).
+    fxcoalesce bench                                   # neox-tiny, TP 2 gloo, CPU, 3 tokens
+    fxcoalesce bench --model falcon-40b --layers 4 --step verify --tokens 16 --device cuda \\
+        --backend nccl --cudagraphs --nccl-mode p2p-off --out results/
+
+The variants (``bench_variants.VARIANTS``) run in the same rank processes on the same weights
+and inputs, one token count at a time:
+
+1. an eager call gives the reference output;
+2. each variant's first call compiles it (progress on stderr), behind a code object of its
+   own so that dynamo's cache for one variant never serves another; the count of graphs
+   dynamo made for it is checked (one, and none after);
+3. one more call per variant runs under ``torch.profiler`` (CPU op events) and counts the
+   ``_c10d_functional.all_reduce*`` ops it issues and the bytes they reduce. Under CUDA
+   graphs a replay issues no ops, so this call is sent down CUDA-graph trees' eager warm-up
+   path (``triton.force_cudagraphs_warmup``): the same compiled code, not captured;
+4. ``warmup`` untimed and ``steps`` timed rounds: each round calls every variant once,
+   after a barrier, in the variants' order on even rounds and reversed on odd ones, so no
+   variant always runs first or right after another. A step's time is the slowest rank's
+   (``timing.timed``: CUDA events on GPU); the error is the largest absolute difference of
+   the last timed output from the eager reference.
+
+A "verify" step of a dense model (no KV cache) is its plain forward over the tokens.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from fxcoalesce.compiler import backend
-from fxcoalesce.config import Config
-
-from fxcoalesce.report import reports
-
+from .bench_variants import (VARIANTS, bucketing_options, compile_variant, has_hand_merged,
+                             hand_merged_twin)
 from .steps import make_step
 from .timing import timed
 
 
-def bench_worker(rank: int, world: int, name: str, tokens: int, steps: int, warmup: int,
-                 codegen: str, hand_merged: bool = False, device: str = "cpu") -> dict:
-    """One rank's part of :func:`fxcoalesce.cli` ``bench``; returns latencies in µs."""
-    from fxcoalesce import models
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BenchOptions:
+    """What one ``fxcoalesce bench`` run measures."""
 
-    dev = torch.device(f"cuda:{rank % max(torch.cuda.device_count(), 1)}"
-                       if device == "cuda" else "cpu")
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    model: str = "neox-tiny"
+    """Model name (``fxcoalesce.models.model_names()``)."""
+    step: str = "forward"
+    """"forward" or "verify" (dense models: a plain forward over the tokens)."""
+    tokens: tuple[int, ...] = (3,)
+    """Token counts, each measured in turn in the same processes."""
+    layers: int | None = None
+    """Override of the model's number of layers."""
+    tp: int = 2
+    """Ranks, one process each."""
+    backend: str = "gloo"
+    """Process group backend."""
+    device: str = "cpu"
+    """Where weights and activations live: bf16 on "cuda", fp32 on "cpu"."""
+    cudagraphs: bool = False
+    """Compile with mode="reduce-overhead" (CUDA graphs) for every compiled variant."""
+    nccl_mode: str | None = None
+    """NCCL only: "nvlink" (NCCL's default transports) or "p2p-off" (NCCL_P2P_DISABLE=1)."""
+    variants: tuple[str, ...] = VARIANTS
+    """Which variants to run, in this order."""
+    steps: int = 100
+    """Timed rounds."""
+    warmup: int = 10
+    """Untimed rounds after compilation (at least 3 with CUDA graphs: record, then replay)."""
+    command: str = ""
+    """The command line, recorded in the results."""
 
-    def step():  # one model per variant: same seed, so the same weights
-        model = models.apply_tp(models.build(name, hand_merged=hand_merged, device=dev),
-                                dist.group.WORLD)
-        return model, *make_step(model, "forward", tokens)
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.device == "cuda" else torch.float32
 
-    model, fn_without, args = step()
-    _, fn_with, _ = step()
-    torch.manual_seed(1)
-    args = (torch.randint(0, model.args.vocab, args[0].shape, device=dev),
-            *(a.to(dev) for a in args[1:]))
-    base = "inductor" if codegen == "inductor" else backend(
-        Config(codegen="eager", passes=()))
-    variants = {
-        "without pass": torch.compile(fn_without, backend=base, fullgraph=True),
-        "with pass": torch.compile(fn_with, backend=backend(Config(codegen=codegen)),
-                                   fullgraph=True),
-    }
-    times = {k: [] for k in variants}
-    outs = {}
+    @property
+    def rounds_before_timing(self) -> int:
+        # CUDA-graph trees: the compiling call warms up, the next records, then replays
+        return max(self.warmup, 3) if self.cudagraphs else self.warmup
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q``-th percentile (0-100) by linear interpolation between the sorted values."""
+    s = sorted(values)
+    pos = (len(s) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+_ITEMSIZE = {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8}
+
+
+def _event_bytes(event, itemsize: int) -> int:
+    """Bytes of the first (tensor or tensor-list) input of a profiler op event."""
+    shape = event.input_shapes[0] if event.input_shapes else []
+    shapes = shape if shape and isinstance(shape[0], list) else [shape]
+    dtypes = getattr(event, "input_dtypes", None) or []
+    size = _ITEMSIZE.get(dtypes[0], itemsize) if dtypes else itemsize
+    return sum(size * (int(torch.Size(s).numel()) if s else 0) for s in shapes)
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """Silence file descriptor 2: Kineto logs a profiler_start/stop line per profile there
+    (torch 2.13), and no setting turns that off."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def count_collectives(call, itemsize: int) -> dict:
+    """Run ``call()`` once under ``torch.profiler`` (CPU ops, shapes) and count what it
+    issued: all_reduce ops of ``_c10d_functional`` (each one process-group launch, fused
+    buckets included), the bytes they reduce, and the other collectives by name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        call()
+    launches, nbytes, other = 0, 0, Counter()
+    for e in prof.events():
+        namespace, _, op = e.name.partition("::")
+        if namespace != "_c10d_functional" or op.startswith("wait"):
+            continue
+        if op.startswith("all_reduce"):
+            launches += 1
+            nbytes += _event_bytes(e, itemsize)
+        else:
+            other[op.rstrip("_")] += 1
+    return {"all_reduce_launches": launches, "bytes": nbytes, "other_collectives": dict(other)}
+
+
+def _graphs_made() -> int:
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def _cudagraph_skips() -> int:
+    """Graphs Inductor left out of CUDA graphs (it logs why: mutated inputs, CPU ops ...)."""
+    return torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
+
+
+def _agree_failed(failed: bool, dev: torch.device) -> bool:
+    """Whether any rank failed (every rank must take the same path after a compile)."""
+    flag = torch.tensor([1.0 if failed else 0.0], device=dev)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[-1] if text else ''}"[:300]
+
+
+class _Rank:
+    """One rank's state for a run: device, printing, the model and its hand-merged twin."""
+
+    def __init__(self, rank: int, world: int, opt: BenchOptions):
+        from fxcoalesce import models
+
+        self.opt, self.rank = opt, rank
+        cuda = opt.device == "cuda"
+        self.dev = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else \
+            torch.device("cpu")
+        if cuda:
+            torch.cuda.set_device(self.dev)  # gloo ranks sharing GPUs: not set by spawn
+        else:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        group = dist.group.WORLD
+        self.say(f"building {opt.model}{f' ({opt.layers} layers)' if opt.layers else ''} "
+                 f"on {self.dev.type} ({str(opt.dtype).removeprefix('torch.')}), sharding it "
+                 f"over {world} ranks ...")
+        self.model = models.apply_tp(models.build(opt.model, dtype=opt.dtype, device=self.dev,
+                                                  layers=opt.layers), group)
+        self.twin = (hand_merged_twin(self.model)
+                     if "hand-merged" in opt.variants and has_hand_merged(opt.model) else None)
+
+    def say(self, text: str) -> None:
+        if self.rank == 0:
+            print(text, file=sys.stderr, flush=True)
+
+    def call(self, fn, args: tuple):
+        """``fn(*args)``, as a step of its own for CUDA-graph trees (each call a new
+        generation: no variant's graph is recorded as the child of another's)."""
+        if self.opt.cudagraphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        return fn(*args)
+
+    def step(self, model, tokens: int):
+        """(callable, inputs on the device) of this run's step at ``tokens`` tokens."""
+        step = self.opt.step if hasattr(model, "setup_cache") else "forward"
+        fn, args = make_step(model, step, tokens)
+        ids = torch.randint(0, self.model.args.vocab, args[0].shape,
+                            generator=torch.Generator().manual_seed(1))
+        return fn, tuple(a.to(self.dev) for a in (ids, *args[1:]))
+
+
+def bench_worker(rank: int, world: int, opt: BenchOptions) -> list[dict]:
+    """One rank's part of a bench run: per token count, per variant, its step times (µs),
+    collectives counted, output error and compile time."""
+    r = _Rank(rank, world, opt)
     with torch.no_grad():
-        for i in range(warmup + steps):
-            for k, f in variants.items():
-                dist.barrier()
-                outs[k], us = timed(lambda: f(*args), dev)
-                if i >= warmup:
-                    times[k].append(us)
-    a, b = outs.values()
-    report = reports()[-1]
-    return {
-        "rank": rank, "world_size": world, "model": name, "tokens": tokens, "codegen": codegen,
-        "backend": dist.get_backend(), "device": str(dev), "steps": steps, "warmup": warmup,
-        "median_us": {k: statistics.median(v) for k, v in times.items()},
-        "p10_us": {k: sorted(v)[len(v) // 10] for k, v in times.items()},
-        "p90_us": {k: sorted(v)[(len(v) * 9) // 10] for k, v in times.items()},
-        "identical": bool(torch.equal(a, b)),
-        "max_abs_diff": float((a.float() - b.float()).abs().max()),
-        "all_reduce": report.all_reduce,
-    }
+        return [_bench_tokens(r, tokens) for tokens in opt.tokens]
+
+
+def _compile_all(r: _Rank, fns: dict, args: tuple, tokens: int):
+    """Compile each variant by its first call; returns (callables, facts, skipped)."""
+    opt = r.opt
+    calls, facts, skipped = {}, {}, {}
+    for i, name in enumerate(opt.variants, 1):
+        if name == "hand-merged" and r.twin is None:
+            skipped[name] = f"{opt.model} has no hand-merged code (sequential blocks)"
+            continue
+        tiers = (bucketing_options(opt.device, opt.cudagraphs)
+                 if name == "inductor-bucketing" else [None])
+        if not tiers:
+            skipped[name] = f"torch {torch.__version__} has no bucket_all_reduces_fx"
+            continue
+        failures = []
+        for k, options in enumerate(tiers):
+            reports: list = []
+            fn = compile_variant(name, fns[name], f"fxcoalesce bench {name} tokens={tokens} "
+                                 f"try={k}", cudagraphs=opt.cudagraphs, options=options,
+                                 on_graph=lambda b, a, report, reports=reports:
+                                 reports.append(report))
+            what = "running" if name == "eager" else "compiling"
+            r.say(f"  {what} {name} ({i}/{len(opt.variants)}) ...")
+            dist.barrier()
+            graphs, skips = _graphs_made(), _cudagraph_skips()
+            start, error = time.perf_counter(), None
+            try:
+                r.call(fn, args)
+            except Exception as e:  # noqa: BLE001 - reported, and every rank moves on alike
+                error = _first_line(e)
+            seconds = time.perf_counter() - start
+            if _agree_failed(error is not None, r.dev):
+                failures.append(error or "failed on another rank")
+                r.say(f"    {name} failed to compile: {failures[-1]}")
+                continue
+            calls[name] = fn
+            facts[name] = {"compile_s": round(seconds, 2), "graphs": _graphs_made() - graphs,
+                           "cudagraph_skips": _cudagraph_skips() - skips,
+                           "options": options, "reports": reports, "failed_tiers": failures}
+            r.say(f"    done in {seconds:.1f} s")
+            break
+        else:
+            skipped[name] = f"failed to compile: {'; '.join(failures)}"
+    return calls, facts, skipped
+
+
+def _bench_tokens(r: _Rank, tokens: int) -> dict:
+    opt = r.opt
+    torch._dynamo.reset()  # nothing compiled for another token count is looked at again
+    fn, args = r.step(r.model, tokens)
+    fns = {name: fn for name in opt.variants}
+    if r.twin is not None:
+        fns["hand-merged"] = r.step(r.twin, tokens)[0]
+    r.say(f"{opt.model} {opt.step}, {tokens} tokens, TP {opt.tp}:")
+    reference = fn(*args).float().clone()
+    calls, facts, skipped = _compile_all(r, fns, args, tokens)
+    itemsize = opt.dtype.itemsize
+
+    for name, call in calls.items():  # not captured: CUDA-graph replays issue no ops
+        with torch._inductor.config.patch({"triton.force_cudagraphs_warmup": True}):
+            facts[name].update(count_collectives(lambda: r.call(call, args), itemsize))
+    graphs = _graphs_made()
+    before = r.opt.rounds_before_timing
+    r.say(f"  timing: {before} warm-up + {opt.steps} timed rounds, each variant once per "
+          f"round, alternating order ...")
+    times = {name: [] for name in calls}
+    names = list(calls)
+    for round_ in range(before + opt.steps):
+        for name in names if round_ % 2 == 0 else names[::-1]:
+            dist.barrier()
+            out, us = timed(lambda: r.call(calls[name], args), r.dev)
+            if round_ >= before:
+                times[name].append(us)
+            if round_ == before + opt.steps - 1:
+                facts[name]["max_abs_err"] = float((out.float() - reference).abs().max())
+    for name in calls:
+        f = facts[name]
+        f["times_us"] = times[name]
+        f["recompiled"] = _graphs_made() != graphs
+        f["reports"] = [rep.all_reduce for rep in f["reports"]]
+    notes = [] if hasattr(r.model, "setup_cache") or opt.step == "forward" else [
+        f"{opt.model} has no KV cache: its verify step is a plain forward over the tokens"]
+    return {"tokens": tokens, "variants": facts, "skipped": skipped, "notes": notes}
+
+
+def merge_ranks(per_rank: list[list[dict]], opt: BenchOptions, env: dict) -> list[dict]:
+    """One record per token count from every rank's results: a step takes as long as its
+    slowest rank; counts are rank 0's (each rank's are kept when they differ)."""
+    records = []
+    for i, tokens in enumerate(opt.tokens):
+        ranks = [res[i] for res in per_rank]
+        variants, notes = {}, list(ranks[0]["notes"])
+        for name, f in ranks[0]["variants"].items():
+            steps = [max(vals) for vals in zip(*(rk["variants"][name]["times_us"]
+                                                 for rk in ranks))]
+            launches = [rk["variants"][name]["all_reduce_launches"] for rk in ranks]
+            v = {"median_ms": statistics.median(steps) / 1e3,
+                 "p10_ms": percentile(steps, 10) / 1e3, "p90_ms": percentile(steps, 90) / 1e3,
+                 "all_reduce_launches": launches[0], "bytes": f["bytes"],
+                 "max_abs_err": max(rk["variants"][name]["max_abs_err"] for rk in ranks),
+                 "other_collectives": f["other_collectives"], "compile_s": f["compile_s"],
+                 "steps_ms": [round(s / 1e3, 4) for s in steps]}
+            if f["options"]:
+                v["inductor_options"] = f["options"]
+            if f["failed_tiers"]:
+                v["failed_option_tiers"] = f["failed_tiers"]
+            if f["reports"]:
+                v["report_all_reduce"] = f["reports"]
+            if len(set(launches)) > 1:
+                v["all_reduce_launches_per_rank"] = launches
+                notes.append(f"{name}: ranks issued different all_reduce counts {launches}")
+            if name == "fxcoalesce" and not f["reports"]:
+                notes.append("fxcoalesce: no report recorded, so the pass did not run")
+            if opt.cudagraphs and f["cudagraph_skips"] and name != "eager":
+                notes.append(f"{name}: Inductor skipped CUDA graphs for {f['cudagraph_skips']} "
+                             "graph(s) (its log says why)")
+            if f["graphs"] != 1 and name != "eager":
+                notes.append(f"{name}: dynamo made {f['graphs']} graphs on its first call, "
+                             "expected 1")
+            if any(rk["variants"][name]["recompiled"] for rk in ranks):
+                notes.append("dynamo compiled again during timing (a variant recompiled)")
+            variants[name] = v
+        records.append({
+            "model": opt.model, "step": opt.step, "tp": opt.tp, "tokens": tokens,
+            "layers": opt.layers, "backend": opt.backend, "device": opt.device,
+            "cudagraphs": opt.cudagraphs, "nccl_mode": opt.nccl_mode,
+            "dtype": str(opt.dtype).removeprefix("torch."), "steps": opt.steps,
+            "warmup": opt.rounds_before_timing, **env, "variants": variants,
+            "skipped": ranks[0]["skipped"], "notes": sorted(set(notes)),
+            "command": opt.command})
+    return records
+
+
+def environment(device: str) -> dict:
+    """Versions and hardware recorded with every result (GPU, driver, NCCL when on CUDA)."""
+    import platform
+    import subprocess
+    from datetime import datetime, timezone
+
+    env = {"torch": torch.__version__, "gpu": None,
+           "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+           "host": {"cpus": os.cpu_count(), "machine": platform.machine()}}
+    if device == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(0)
+        env["gpus"] = torch.cuda.device_count()
+        env["cuda"] = torch.version.cuda
+        try:
+            env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        except (AttributeError, RuntimeError):
+            env["nccl"] = None
+        try:
+            env["driver"] = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True, text=True, timeout=20).stdout.split("\n")[0].strip() or None
+        except (OSError, subprocess.SubprocessError):
+            env["driver"] = None
+    return env
+
+
+def run_bench(opt: BenchOptions) -> list[dict]:
+    """Spawn the ranks, run the bench, return one record per token count."""
+    from .calibrate import NCCL_MODES
+    from .launch import spawn
+
+    env = NCCL_MODES[opt.nccl_mode] if opt.backend == "nccl" else {}
+    per_rank = spawn(bench_worker, opt.tp, (opt,), backend=opt.backend, env=env)
+    return merge_ranks(per_rank, opt, environment(opt.device))

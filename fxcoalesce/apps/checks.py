@@ -66,11 +66,11 @@ def _no_file_above(out: str, path: Path) -> None:
         raise ValueError(f"--out {out}: {existing} is a file, not a directory")
 
 
-def _can_make_dir(out: str) -> None:
-    """``out`` is a directory or can become one (inspect writes three files into it)."""
+def _can_make_dir(out: str, command: str = "inspect",
+                  files: str = "report.json, before.txt, after.txt") -> None:
+    """``out`` is a directory or can become one (``command`` writes ``files`` into it)."""
     if Path(out).is_file():
-        raise ValueError(f"--out {out} is a file; inspect writes a directory (report.json, "
-                         "before.txt, after.txt)")
+        raise ValueError(f"--out {out} is a file; {command} writes a directory ({files})")
     _no_file_above(out, Path(out))
 
 
@@ -122,19 +122,110 @@ def check_inspect(args) -> None:
         _model(args.model, args.tp, args.step)
 
 
+GiB = 1 << 30
+RANKS_PER_CORE = 4
+"""Most CPU ranks per core a run may start: each rank is a process that takes part in every
+collective, and more than this leaves them waiting on each other (DESIGN.md: 8 gloo ranks
+on 2 cores took ~21 ms per small all_reduce)."""
+
+
+def _layers(name: str, layers: int | None) -> None:
+    """``--layers`` makes a valid model (MoE models need at least 3 and their dense layers)."""
+    from fxcoalesce import models
+
+    try:
+        models.args_of(name, layers)
+    except ValueError as e:
+        raise ValueError(f"--layers {layers}: {name}: {e}") from None
+
+
+def _mem_available() -> int | None:
+    """Bytes of memory the system can give new processes (Linux), None when unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _fits(name: str, layers: int | None, tp: int, device: str) -> None:
+    """The model fits where its ranks build it: each rank builds the whole model (bf16 on
+    CUDA, fp32 on CPU) before keeping its 1/tp share, so the peak is the whole model per rank
+    (ranks sharing a GPU, or CPU memory, build at the same time), plus a margin."""
+    import torch
+
+    from fxcoalesce import models
+
+    params = models.parameter_count(name, layers)
+    whole = params * (2 if device == "cuda" else 4)
+    what = (f"{name}{f' at --layers {layers}' if layers else ''}: {params / 1e9:.2f}B "
+            f"parameters, {whole / GiB:.1f} GiB in {'bf16' if device == 'cuda' else 'fp32'}; "
+            f"each rank builds the whole model before keeping 1/{tp} of it, so ")
+    if device == "cuda":
+        gpus = torch.cuda.device_count()
+        sharing = -(-tp // gpus)
+        need = sharing * whole * 1.1 + 2 * GiB  # + CUDA context, workspace, activations
+        free = min(torch.cuda.mem_get_info(i)[0] for i in range(min(tp, gpus)))
+        where = f"each GPU ({sharing} rank{'s' * (sharing > 1)}) needs"
+    else:
+        need, free = tp * whole * 1.1 + GiB, _mem_available()
+        where = f"{tp} ranks need"
+    if free is not None and need > free:
+        raise ValueError(f"{what}{where} about {need / GiB:.1f} GiB but {free / GiB:.1f} GiB "
+                         "is free (use fewer --layers)")
+
+
+def _hostable(tp: int, device: str) -> None:
+    """CPU ranks: at most RANKS_PER_CORE per core."""
+    import os
+
+    cores = os.cpu_count() or 1
+    if device == "cpu" and tp > RANKS_PER_CORE * cores:
+        raise ValueError(f"--tp {tp}: {tp} CPU ranks on {cores} core{'s' * (cores > 1)}; "
+                         f"this machine hosts at most {RANKS_PER_CORE * cores} "
+                         f"({RANKS_PER_CORE} per core)")
+
+
+def _backend(args) -> str:
+    """The process group backend a bench or demo run will use."""
+    from .launch import default_backend
+
+    return args.backend or default_backend(args.device, args.tp)
+
+
 def check_bench(args) -> None:
-    _at_least(1, tp=args.tp, tokens=args.tokens, steps=args.steps)
+    from .bench_variants import parse_variants
+
+    _at_least(1, tp=args.tp, steps=args.steps)
+    for tokens in args.tokens:
+        _at_least(1, tokens=tokens)
     _at_least(0, warmup=args.warmup)
+    if args.layers is not None:
+        _at_least(1, layers=args.layers)
+    parse_variants(args.variants)
     if args.out:
-        _can_write_file(args.out)
-    _model(args.model, args.tp, "forward")
+        _can_make_dir(args.out, "bench", "bench.json, bench.md, bench.png")
+    if args.cudagraphs and args.device != "cuda":
+        raise ValueError("--cudagraphs needs --device cuda (CUDA graphs capture GPU work)")
+    if args.nccl_mode and _backend(args) != "nccl":
+        raise ValueError(f"--nccl-mode {args.nccl_mode} needs --backend nccl (it chooses how "
+                         "NCCL moves data)")
+    _model(args.model, args.tp, "forward")  # a dense model's verify step is its forward
+    if args.layers is not None:
+        _layers(args.model, args.layers)
     _gpus(args.device, args.backend, args.tp)
+    _hostable(args.tp, args.device)
+    _fits(args.model, args.layers, args.tp, args.device)
 
 
 def check_demo(args) -> None:
     _at_least(1, tp=args.tp)
     _at_least(2, "the first new token comes from the prefill, the others from verify steps",
               tokens=args.tokens)
+    if args.out:
+        _can_make_dir(args.out, "demo", "demo.json")
     _model(args.model, args.tp, "verify")
     _gpus(args.device, args.backend, args.tp)
 

@@ -131,38 +131,45 @@ def _draw_trace(args) -> None:
 
 
 def cmd_bench(args) -> int:
-    from fxcoalesce.apps.bench import bench_worker
-    from fxcoalesce.apps.launch import default_backend, spawn
+    import signal
+    import time
 
-    be = args.backend or default_backend(args.device, args.tp)
-    print(f"bench {args.model} TP={args.tp} tokens={args.tokens}: starting {args.tp} {be} "
-          f"ranks, {args.warmup} warm-up + {args.steps} timed steps per variant, compiling ...",
-          file=sys.stderr)
-    res = spawn(bench_worker, args.tp, (args.model, args.tokens, args.steps, args.warmup,
-                                        args.codegen, args.hand_merged, args.device),
-                backend=be)
-    r0 = res[0]
-    print(f"{args.model} TP={args.tp} ({r0['backend']}, {r0['device']}, codegen "
-          f"{args.codegen}), tokens={args.tokens}")
-    a = r0["all_reduce"]
-    print(_table([(f"{k} median", f"{v:.0f} µs  (p10 {r0['p10_us'][k]:.0f}, "
-                                  f"p90 {r0['p90_us'][k]:.0f})")
-                  for k, v in r0["median_us"].items()] + [
-        ("all_reduce launches", f"{a['before']} -> {a['after']} (bound {a['lower_bound']})"),
-        ("outputs identical", all(r["identical"] for r in res)),
-        ("max |diff|", max(r["max_abs_diff"] for r in res)),
-    ]))
+    from fxcoalesce.apps.bench import BenchOptions, run_bench
+    from fxcoalesce.apps.bench_report import text_table, write_all
+    from fxcoalesce.apps.bench_variants import parse_variants
+    from fxcoalesce.apps.checks import _backend
+
+    be = _backend(args)
+    opt = BenchOptions(model=args.model, step=args.step, tokens=tuple(args.tokens),
+                       layers=args.layers, tp=args.tp, backend=be, device=args.device,
+                       cudagraphs=args.cudagraphs,
+                       nccl_mode=(args.nccl_mode or "nvlink") if be == "nccl" else None,
+                       variants=parse_variants(args.variants), steps=args.steps,
+                       warmup=args.warmup, command=args.command_line)
+    # a `timeout` or Ctrl-C ends this process: spawn then stops the ranks, none left behind
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    start = time.perf_counter()
+    print(f"bench {opt.model}: {opt.tp} {be} rank{'s' * (opt.tp > 1)} on {opt.device}, "
+          f"tokens {','.join(map(str, opt.tokens))}, variants {', '.join(opt.variants)}; "
+          "each compile takes a while (minutes on CPU) ...", file=sys.stderr, flush=True)
+    records = run_bench(opt)
+    for rec in records:
+        print(text_table(rec) + "\n")
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(res, indent=2))
-        print(f"wrote {args.out}")
+        for line in write_all(records, args.out):
+            print(line)
+    print(f"wall time {time.perf_counter() - start:.0f} s")
+    failed = [f"{name} ({why})" for rec in records for name, why in rec["skipped"].items()
+              if why.startswith("failed")]
+    if failed:
+        _error("bench", f"variant(s) failed: {'; '.join(sorted(set(failed)))}")
+        return 1
     return 0
 
 
 def cmd_calibrate(args) -> int:
     from fxcoalesce.apps.calibrate import run_calibrate, write_profile
 
-    args.command_line = "fxcoalesce " + " ".join(sys.argv[1:])
     print(f"calibrate: {args.tp} {args.backend or 'gloo'} ranks on {args.device}, all_reduce "
           f"from 8 B to {args.max_bytes} B ...", file=sys.stderr, flush=True)
     data = run_calibrate(args)
@@ -186,6 +193,15 @@ def _bytes(text: str) -> int:
         return int(float(text[:-1] if scale > 1 else text) * scale)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a byte count: {text!r} (e.g. 64M)") from None
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    """'3,16,64' -> (3, 16, 64)."""
+    try:
+        return tuple(int(t) for t in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of integers: {text!r} (e.g. 3,16,64)") \
+            from None
 
 
 def cmd_demo(args) -> int:
@@ -237,26 +253,41 @@ def parser() -> argparse.ArgumentParser:
                         "--out/trace_timeline.png (needs matplotlib); --model is optional then")
     i.set_defaults(fn=cmd_inspect, check=checks.check_inspect)
 
-    b = sub.add_parser("bench", help="step latency with and without the pass on real ranks")
+    b = sub.add_parser("bench", help="step latency of eager, Inductor, Inductor's bucketing, "
+                                     "hand-merged code and fxcoalesce, side by side on real ranks")
     b.add_argument("--model", default="neox-tiny", help="model name (default: %(default)s)")
+    b.add_argument("--step", default="forward", choices=["forward", "verify"],
+                   help="forward: prefill; verify: EAGLE-3 tree verification after a cached "
+                        "prefix (dense models, which have no cache: their plain forward) "
+                        "(default: %(default)s)")
     b.add_argument("--tp", type=int, default=2,
                    help="ranks, one process each (default: %(default)s)")
-    b.add_argument("--tokens", type=int, default=8,
-                   help="tokens per forward step (default: %(default)s)")
-    b.add_argument("--steps", type=int, default=50,
-                   help="timed steps per variant (default: %(default)s)")
-    b.add_argument("--warmup", type=int, default=5,
-                   help="untimed steps per variant first (default: %(default)s)")
-    b.add_argument("--codegen", default="inductor", choices=["inductor", "eager"],
-                   help="code generator for both variants (default: %(default)s)")
-    b.add_argument("--hand-merged", action="store_true",
-                   help="benchmark the engines' hand-merged model code instead")
+    b.add_argument("--tokens", type=_int_list, default=(3,),
+                   help="tokens per step; a list such as 3,16,64 measures each in turn "
+                        "(default: 3)")
+    b.add_argument("--layers", type=int,
+                   help="override the model's number of layers (default: the model's own)")
     b.add_argument("--backend", choices=["gloo", "nccl"],
                    help="process group backend (default: nccl with --device cuda and a GPU "
                         "per rank, else gloo)")
     b.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
-                   help="where weights and activations live (default: %(default)s)")
-    b.add_argument("--out", help="JSON file for all ranks' results (default: write nothing)")
+                   help="where weights (bf16 on cuda, fp32 on cpu) and activations live "
+                        "(default: %(default)s)")
+    b.add_argument("--cudagraphs", action="store_true",
+                   help="compile every variant with mode='reduce-overhead' (CUDA graphs)")
+    b.add_argument("--nccl-mode", choices=["nvlink", "p2p-off"],
+                   help="NCCL only: p2p-off sets NCCL_P2P_DISABLE=1 (traffic through host "
+                        "memory, like a PCIe box without peer-to-peer) (default: nvlink)")
+    b.add_argument("--variants", default="eager,inductor,inductor-bucketing,hand-merged,"
+                                         "fxcoalesce",
+                   help="comma-separated variants to run (default: %(default)s)")
+    b.add_argument("--steps", type=int, default=100,
+                   help="timed rounds; each calls every variant once (default: %(default)s)")
+    b.add_argument("--warmup", type=int, default=10,
+                   help="untimed rounds after compiling (at least 3 with --cudagraphs) "
+                        "(default: %(default)s)")
+    b.add_argument("--out", help="directory to write bench.json, bench.md and bench.png into, "
+                                 "created if missing (default: write nothing)")
     b.set_defaults(fn=cmd_bench, check=checks.check_bench)
 
     d = sub.add_parser("demo", help="EAGLE-3 speculative decoding with the verify step "
@@ -276,6 +307,8 @@ def parser() -> argparse.ArgumentParser:
                    help="use the engines' hand-merged model code as the target")
     d.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="where weights and activations live (default: %(default)s)")
+    d.add_argument("--out", help="directory to write demo.json into, created if missing "
+                                 "(default: write nothing)")
     d.set_defaults(fn=cmd_demo, check=checks.check_demo)
 
     c = sub.add_parser("calibrate", help="measure all_reduce latency on real ranks and fit "
@@ -322,6 +355,7 @@ def _run(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    args.command_line = "fxcoalesce " + " ".join(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(name)s: %(message)s")
     try:

@@ -1,0 +1,188 @@
+#!/usr/bin/env bash
+# The GPU bench matrix of issue 8 in ONE device-machine call (2 H200s, torch 2.11, no
+# network, ~9 minutes): NCCL TP 2, CUDA graphs on/off, NVLink and NCCL_P2P_DISABLE=1,
+# verify steps of falcon-40b (full width, 4 layers, bf16), kimi-k2 (full width, 1 dense + 2
+# MoE layers, bf16), neox-tiny and kimi-k2-tiny. The whole matrix does not fit one call, so
+# runs go in priority order (the issue's named figures first), each under `timeout`, and a
+# run starts only if the call's budget still holds its minimum; each result is added to
+# $OUT as soon as its run ends.
+#
+#   bash benchmarks/gpu_bench.sh             on the GPU machine, from the checkout; results in $OUT
+#   bash benchmarks/gpu_bench.sh --cpu       here: gloo on CPU, a tiny matrix, checks this script
+#   ONLY=kimi_nvlink_cg_t16,neox_p2poff_cg bash benchmarks/gpu_bench.sh     chosen runs only
+#   BUDGET=300 ...                           seconds for the whole call (default 530)
+#
+# $OUT gets (at most 8 files come back): log.txt (everything printed), results.jsonl (one
+# bench.json record per line, with "run" and "exit"), summary.md (each run's bench.md, then
+# the compact table), the first two runs' charts as <run>.png, and calibrate_*.json.
+set -u
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1  # never multicast
+# Inductor's FX graph cache stays on (fxcoalesce turns it off only for its own compiles), so
+# a run in the second NCCL mode reuses the kernels compiled for the same graphs in the first.
+export TORCHINDUCTOR_FX_GRAPH_CACHE=1 TORCHINDUCTOR_AUTOGRAD_CACHE=1
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/fxc-inductor-cache}
+
+MODE=gpu
+[ "${1:-}" = "--cpu" ] && MODE=cpu
+PY=${PY:-python3}
+OUT=${OUT:-/tmp/fxc-gpu-bench}
+BUDGET=${BUDGET:-530}
+ONLY=${ONLY:-}
+START=$(date +%s)
+REPO=$(pwd)
+WORK=/tmp/fxc-bench-runs
+mkdir -p "$OUT" && rm -rf "$WORK" && mkdir -p "$WORK"
+: > "$OUT/results.jsonl"
+: > "$OUT/summary.md"
+: > "$OUT/log.txt"
+
+left() { echo $((START + BUDGET - $(date +%s))); }
+
+# bench RUN MIN LIMIT ARGS...: one `fxcoalesce bench` run named RUN, started only if at least
+# MIN seconds of the budget are left, killed (with its ranks: timeout signals its whole
+# process group) after LIMIT seconds or when the budget ends, whichever is first.
+PNGS=0
+bench() {
+    local run=$1 min=$2 limit=$3
+    shift 3
+    if [ -n "$ONLY" ] && [[ ",$ONLY," != *",$run,"* ]]; then return; fi
+    local l
+    l=$(left)
+    if [ "$l" -lt "$min" ]; then
+        echo "=== $run: skipped, ${l}s of the budget left (needs ${min}s)"
+        return
+    fi
+    [ "$limit" -gt $((l - 5)) ] && limit=$((l - 5))
+    local dir=$WORK/$run t0 rc
+    t0=$(date +%s)
+    echo "=== $run: fxcoalesce bench $* (limit ${limit}s, ${l}s left)"
+    timeout -k 10 "$limit" "$PY" -m fxcoalesce.apps.cli bench "$@" --out "$dir"
+    rc=$?
+    echo "=== $run: exit $rc after $(($(date +%s) - t0))s$([ $rc = 124 ] && echo ' (timed out)')"
+    if [ -f "$dir/bench.json" ]; then
+        "$PY" -c 'import json, sys
+for rec in json.load(open(sys.argv[1])):
+    print(json.dumps({"run": sys.argv[2], "exit": int(sys.argv[3]), **rec}))' \
+            "$dir/bench.json" "$run" "$rc" >> "$OUT/results.jsonl"
+        { echo "## $run (exit $rc)"; echo; cat "$dir/bench.md"; echo; } >> "$OUT/summary.md"
+        if [ -f "$dir/bench.png" ] && [ $PNGS -lt 2 ]; then
+            cp "$dir/bench.png" "$OUT/$run.png" && PNGS=$((PNGS + 1))
+        fi
+    fi
+}
+
+# calibrate RUN MIN LIMIT ARGS...: `fxcoalesce calibrate`, its profile kept as $OUT/RUN.json
+calibrate() {
+    local run=$1 min=$2 limit=$3
+    shift 3
+    if [ -n "$ONLY" ] && [[ ",$ONLY," != *",$run,"* ]]; then return; fi
+    local l
+    l=$(left)
+    if [ "$l" -lt "$min" ]; then
+        echo "=== $run: skipped, ${l}s of the budget left (needs ${min}s)"
+        return
+    fi
+    [ "$limit" -gt $((l - 5)) ] && limit=$((l - 5))
+    echo "=== $run: fxcoalesce calibrate $* (limit ${limit}s)"
+    timeout -k 10 "$limit" "$PY" -m fxcoalesce.apps.cli calibrate "$@" --out "$OUT/$run.json"
+    echo "=== $run: exit $?"
+}
+
+table() {  # the compact table of everything measured, from results.jsonl
+    "$PY" - "$OUT/results.jsonl" <<'EOF'
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
+print("| run | model | tokens | graphs | NCCL | variant | median ms | p10 | p90 | vs inductor | all_reduces |")
+print("|---|---|---|---|---|---|---|---|---|---|---|")
+for r in rows:
+    base = r["variants"].get("inductor", {}).get("median_ms")
+    for name, v in r["variants"].items():
+        x = f"{base / v['median_ms']:.2f}x" if base else "-"
+        print(f"| {r['run']} | {r['model']} | {r['tokens']} | {'on' if r['cudagraphs'] else 'off'} "
+              f"| {r['nccl_mode'] or r['backend']} | {name} | {v['median_ms']:.3f} | "
+              f"{v['p10_ms']:.3f} | {v['p90_ms']:.3f} | {x} | {v['all_reduce_launches']} |")
+if not rows:
+    print("(no results)")
+EOF
+}
+
+main() {
+    echo "gpu_bench.sh ($MODE), budget ${BUDGET}s, $(date -u +%FT%TZ)"
+    rm -rf build  # setuptools' staging folder: a file deleted from the source would linger
+    if [ $MODE = gpu ]; then
+        "$PY" -m pip install -q --no-deps --no-build-isolation --upgrade --target /tmp/site . \
+            || { echo "install failed"; return 1; }
+    else  # the same install path, into its own folder
+        "$PY" -m pip install -q --no-deps --no-build-isolation --upgrade \
+            --target /tmp/fxc-site-cpu . || { echo "install failed"; return 1; }
+    fi
+    export PYTHONPATH=$([ $MODE = gpu ] && echo /tmp/site || echo /tmp/fxc-site-cpu)
+    cd /tmp || return 1  # import the installed package, not the checkout's folders
+    "$PY" -c 'import torch, fxcoalesce.apps.cli
+print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count(),
+      *(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())))
+if torch.cuda.is_available(): print("nccl", torch.cuda.nccl.version())' || return 1
+    [ $MODE = gpu ] && nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total \
+        --format=csv
+
+    if [ $MODE = cpu ]; then
+        local c=(--tp 2 --backend gloo --device cpu --steps 5 --warmup 2)
+        bench neox_cpu 60 240 "${c[@]}" --model neox-tiny --step verify --tokens 3 \
+            --variants eager,inductor,fxcoalesce
+        bench kimitiny_cpu 60 240 "${c[@]}" --model kimi-k2-tiny --step verify --tokens 3,4 \
+            --variants eager,hand-merged
+        bench killed_cpu 20 8 "${c[@]}" --model neox-tiny --variants inductor  # times out
+        bench never_cpu 100000 60 "${c[@]}" --model neox-tiny  # skipped: budget
+        calibrate calibrate_cpu 30 60 --tp 2 --backend gloo --device cpu --max-bytes 64K \
+            --budget 0.2
+    else
+        local g=(--tp 2 --backend nccl --device cuda --steps 100 --warmup 5)
+        local falcon=(--model falcon-40b --layers 4 --step verify)
+        local kimi=(--model kimi-k2 --layers 3 --step verify)
+        local main=eager,inductor,hand-merged,fxcoalesce
+        # 1-2: the issue's named figures (p2p-off, CUDA graphs, 16 tokens)
+        bench falcon_p2poff_cg_t16 90 220 "${g[@]}" "${falcon[@]}" --tokens 16 --cudagraphs \
+            --nccl-mode p2p-off --variants $main
+        bench kimi_p2poff_cg_t16 110 240 "${g[@]}" "${kimi[@]}" --tokens 16 --cudagraphs \
+            --nccl-mode p2p-off --variants $main
+        # 3-4: NVLink, with Inductor's own bucketing (the other variants hit the FX cache)
+        bench falcon_nvlink_cg_t16 60 150 "${g[@]}" "${falcon[@]}" --tokens 16 --cudagraphs \
+            --nccl-mode nvlink --variants $main,inductor-bucketing
+        bench kimi_nvlink_cg_t16 70 170 "${g[@]}" "${kimi[@]}" --tokens 16 --cudagraphs \
+            --nccl-mode nvlink --variants $main,inductor-bucketing
+        # 5-6: the tiny models, all variants, three sizes
+        bench neox_p2poff_cg 60 150 "${g[@]}" --model neox-tiny --step verify --tokens 3,16,64 \
+            --cudagraphs --nccl-mode p2p-off
+        bench kimitiny_p2poff_cg 60 150 "${g[@]}" --model kimi-k2-tiny --step verify \
+            --tokens 3,16,64 --cudagraphs --nccl-mode p2p-off
+        # 7-8: without CUDA graphs
+        bench falcon_p2poff_t16 60 150 "${g[@]}" "${falcon[@]}" --tokens 16 --nccl-mode p2p-off \
+            --variants $main
+        bench kimi_p2poff_t16 70 170 "${g[@]}" "${kimi[@]}" --tokens 16 --nccl-mode p2p-off \
+            --variants $main
+        # 9-12: the other sizes and NVLink for the tiny models
+        bench falcon_p2poff_cg_t3_64 90 200 "${g[@]}" "${falcon[@]}" --tokens 3,64 --cudagraphs \
+            --nccl-mode p2p-off --variants $main
+        bench kimi_p2poff_cg_t3_64 110 220 "${g[@]}" "${kimi[@]}" --tokens 3,64 --cudagraphs \
+            --nccl-mode p2p-off --variants $main
+        bench neox_nvlink_cg 60 150 "${g[@]}" --model neox-tiny --step verify --tokens 3,16,64 \
+            --cudagraphs --nccl-mode nvlink
+        bench kimitiny_nvlink_cg 60 150 "${g[@]}" --model kimi-k2-tiny --step verify \
+            --tokens 3,16,64 --cudagraphs --nccl-mode nvlink
+        # 13-14: the tiny models without CUDA graphs
+        bench neox_p2poff 60 150 "${g[@]}" --model neox-tiny --step verify --tokens 3,16,64 \
+            --nccl-mode p2p-off
+        bench kimitiny_p2poff 60 150 "${g[@]}" --model kimi-k2-tiny --step verify \
+            --tokens 3,16,64 --nccl-mode p2p-off
+        # 15-16: the cost model's all_reduce profile in both NCCL modes
+        calibrate calibrate_p2poff 60 120 --tp 2 --backend nccl --device cuda \
+            --nccl-mode p2p-off --max-bytes 32M
+        calibrate calibrate_nvlink 60 120 --tp 2 --backend nccl --device cuda \
+            --nccl-mode nvlink --max-bytes 32M
+    fi
+    echo
+    echo "=== all results ($(($(date +%s) - START))s of ${BUDGET}s)"
+    table | tee -a "$OUT/summary.md"
+}
+
+main 2>&1 | tee -a "$OUT/log.txt"

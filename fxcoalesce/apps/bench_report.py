@@ -1,0 +1,129 @@
+"""What ``fxcoalesce bench`` writes: ``bench.json`` (a list with one record per token
+count), ``bench.md`` (a markdown table per record) and ``bench.png`` (bar chart, p10-p90
+whiskers), and the table it prints. Pure functions of the records: no torch.
+
+A record: ``{"model", "step", "tp", "tokens", "layers", "backend", "device", "cudagraphs",
+"nccl_mode", "torch", "gpu", ..., "variants": {NAME: {"median_ms", "p10_ms", "p90_ms",
+"all_reduce_launches", "bytes", "max_abs_err", ...}}, "skipped": {NAME: why}, "notes": [...]}``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+BASELINE = "inductor"
+
+
+def title(rec: dict) -> str:
+    layers = f", {rec['layers']} layers" if rec.get("layers") else ""
+    mode = f", NCCL {rec['nccl_mode']}" if rec.get("nccl_mode") else ""
+    graphs = "CUDA graphs" if rec["cudagraphs"] else "no CUDA graphs"
+    gpu = f" {rec['gpu']}" if rec.get("gpu") else ""
+    return (f"{rec['model']}{layers} {rec['step']}, {rec['tokens']} tokens, TP {rec['tp']} "
+            f"({rec['backend']}{mode}, {rec['device']}{gpu}, {rec.get('dtype', '')}, {graphs})")
+
+
+def _speedup(rec: dict, name: str) -> str:
+    base = rec["variants"].get(BASELINE)
+    v = rec["variants"][name]
+    return f"{base['median_ms'] / v['median_ms']:.2f}x" if base and v["median_ms"] else "-"
+
+
+def _bytes(n: int) -> str:
+    for unit, size in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+HEADER = ("variant", "median ms", "p10 ms", "p90 ms", f"vs {BASELINE}", "all_reduce launches",
+          "bytes reduced", "max abs err", "compile s")
+
+
+def rows(rec: dict) -> list[tuple[str, ...]]:
+    out = []
+    for name, v in rec["variants"].items():
+        out.append((name, f"{v['median_ms']:.3f}", f"{v['p10_ms']:.3f}", f"{v['p90_ms']:.3f}",
+                    _speedup(rec, name), str(v["all_reduce_launches"]), _bytes(v["bytes"]),
+                    f"{v['max_abs_err']:.3g}", f"{v.get('compile_s', 0):.1f}"))
+    return out
+
+
+def remarks(rec: dict) -> list[str]:
+    """Skipped variants, warnings, and what a TP of 1 means."""
+    lines = [f"{name}: skipped ({why})" for name, why in rec.get("skipped", {}).items()]
+    lines += rec.get("notes", [])
+    if rec["tp"] == 1:
+        lines.append("TP 1: one rank, so no all_reduce moves data and nothing can be merged; "
+                     "the variants differ only in how the step is compiled")
+    return lines
+
+
+def text_table(rec: dict) -> str:
+    table = [HEADER, *rows(rec)]
+    widths = [max(len(r[i]) for r in table) for i in range(len(HEADER))]
+    fmt = lambda r: "  " + "  ".join(  # noqa: E731
+        c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+    lines = [title(rec), *map(fmt, table)]
+    lines += [f"  note: {line}" for line in remarks(rec)]
+    return "\n".join(lines)
+
+
+def markdown(records: list[dict]) -> str:
+    parts = []
+    for rec in records:
+        parts.append(f"### {title(rec)}\n")
+        parts.append("| " + " | ".join(HEADER) + " |")
+        parts.append("|" + "---|" * len(HEADER))
+        parts += ["| " + " | ".join(r) + " |" for r in rows(rec)]
+        parts.append("")
+        parts += [f"- {line}" for line in remarks(rec)]
+        parts.append(f"\n{rec['steps']} timed rounds after {rec['warmup']} warm-up; a step's "
+                     "time is its slowest rank's; all_reduce launches counted at run time "
+                     f"(profiler); torch {rec['torch']}, {rec['date']}. "
+                     f"Command: `{rec.get('command', '')}`\n")
+    return "\n".join(parts)
+
+
+def write_png(records: list[dict], path: Path) -> str | None:
+    """Bar chart of median step time per variant, one panel per record, whiskers p10-p90;
+    returns why it was not written (matplotlib missing), else None."""
+    try:
+        import matplotlib
+    except ImportError:
+        return ("bench.png needs matplotlib, which is not installed "
+                "(pip install 'fxcoalesce[plot]'); bench.json and bench.md are written")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(records), figsize=(2.2 + 2.4 * len(records), 4.2),
+                             squeeze=False)
+    for ax, rec in zip(axes[0], records):
+        names = list(rec["variants"])
+        v = [rec["variants"][n] for n in names]
+        med = [x["median_ms"] for x in v]
+        err = [[m - x["p10_ms"] for m, x in zip(med, v)], [x["p90_ms"] - m for m, x in zip(med, v)]]
+        colors = ["tab:green" if n == "fxcoalesce" else "tab:gray" for n in names]
+        ax.bar(range(len(names)), med, yerr=err, capsize=3, color=colors)
+        labels = [f"{n}\n{x['all_reduce_launches']} all_reduces" for n, x in zip(names, v)]
+        ax.set_xticks(range(len(names)), labels, rotation=35, ha="right", fontsize=7)
+        ax.set_title(f"{rec['tokens']} tokens", fontsize=9)
+        ax.set_ylabel("step time, ms (median, p10-p90)")
+    rec = records[0]
+    fig.suptitle(title(rec).replace(f", {rec['tokens']} tokens", ""), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None
+
+
+def write_all(records: list[dict], out: str | Path) -> list[str]:
+    """Write bench.json, bench.md and bench.png into ``out``; returns messages to show."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(records, indent=2) + "\n")
+    (out / "bench.md").write_text(markdown(records))
+    skipped = write_png(records, out / "bench.png")
+    written = "bench.json, bench.md" + ("" if skipped else ", bench.png")
+    return [f"wrote {written} in {out}"] + ([skipped] if skipped else [])
