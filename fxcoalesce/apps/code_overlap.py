@@ -35,6 +35,9 @@ class Window:
     wait_line: int | None
     kernels: int
     """Kernel launches between the issue and its wait (None-waited: to the end)."""
+    early_reads: tuple[int, ...] = ()
+    """Lines between issue and wait that name the collective's buffer: reads before the
+    data has arrived (a race), unless the line is the wait itself."""
 
 
 def _buffer(arg: str) -> str:
@@ -54,22 +57,33 @@ def collective_windows(code: str) -> list[Window]:
     lines = call_body(code)
     open_: dict[str, tuple[str, int]] = {}
     kernels_at: list[int] = []
+    reads: dict[str, list[int]] = {}
     done: list[Window] = []
     for i, line in enumerate(lines):
         if (m := _COLLECTIVE.search(line)) is not None:
             buf = m.group("out") or _buffer(m.group("arg"))
             open_[buf] = (m.group("op"), i)
+            reads[buf] = []
         elif (m := _WAIT.search(line)) is not None:
             buf = _buffer(m.group("arg"))
             if buf in open_:
                 op, start = open_.pop(buf)
                 n = sum(start < k < i for k in kernels_at)
-                done.append(Window(op, buf, start, i, n))
+                done.append(Window(op, buf, start, i, n, tuple(reads.pop(buf))))
         elif _KERNEL.search(line):
             kernels_at.append(i)
+            for buf in open_:
+                if re.search(rf"\b{buf}\b", line):
+                    reads[buf].append(i)
     for buf, (op, start) in open_.items():
         done.append(Window(op, buf, start, None, sum(k > start for k in kernels_at)))
     return sorted(done, key=lambda w: w.issue_line)
+
+
+def early_reads(code: str) -> list[str]:
+    """Kernel lines that read a collective's buffer before its wait (each a race)."""
+    lines = call_body(code)
+    return [lines[i].strip() for w in collective_windows(code) for i in w.early_reads]
 
 
 def overlapped_kernels(code: str, op_prefix: str = "all_reduce") -> int:

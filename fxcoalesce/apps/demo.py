@@ -90,7 +90,7 @@ def demo_worker(rank: int, world: int, opt: DemoOptions) -> dict:
             outs[k], us = timed(lambda: fn(*args), dev)
             times[k].append(us)
         a, b = outs.values()
-        same.append(bool(torch.equal(a[0], b[0])))
+        same.append(float((a[0].float() - b[0].float()).abs().max()))
         if len(same) == 1:
             warm.append(time.perf_counter())
         say(f"  verify {len(same):3d}: {times['without pass'][-1] / 1e3:7.2f} ms without, "
@@ -113,7 +113,7 @@ def demo_worker(rank: int, world: int, opt: DemoOptions) -> dict:
         "all_reduce": with_report.all_reduce, "report_without": without_report.all_reduce,
         "verify_median_us": {k: statistics.median(v) for k, v in times.items()},
         "compile_s": compile_s,
-        "verify_calls": len(same), "logits_identical": all(same),
+        "verify_calls": len(same), "logits_max_abs_diff": max(same),
         "matches_greedy": bool(torch.equal(out, reference)),
         "mean_accepted": stats.mean_accepted,
         "tokens_per_s": steady_tokens / max(steady_s, 1e-9),
@@ -139,7 +139,10 @@ def run_demo(args) -> int:
           f"(lower bound {a['lower_bound']})")
     print(f"  verify latency (median)        : {m['without pass'] / 1e3:.2f} ms without the "
           f"pass, {m['with pass'] / 1e3:.2f} ms with it ({r['verify_calls']} calls each)")
-    print(f"  logits identical with/without  : {all(x['logits_identical'] for x in res)}")
+    diff = max(x["logits_max_abs_diff"] for x in res)
+    print(f"  logits with vs without, max |Δ| : {diff:.3g}"
+          + (" (identical)" if diff == 0 else " (the linearity pass adds partial sums before "
+             "reducing; Config(reassociate=False) is bit-exact)"))
     print(f"  tokens equal target greedy     : {all(x['matches_greedy'] for x in res)}")
     print(f"  ranks agree                    : {all(x['tokens'] == r['tokens'] for x in res)}")
     print(f"  mean accepted length           : {r['mean_accepted']:.2f} tokens per verify "
@@ -167,7 +170,7 @@ def write_demo_json(res: list[dict], opt: DemoOptions, args) -> Path:
         "verify_calls": r["verify_calls"],
         "compile_s": {"without": round(r["compile_s"]["without pass"], 2),
                       "with": round(r["compile_s"]["with pass"], 2)},
-        "logits_identical": all(x["logits_identical"] for x in res),
+        "logits_max_abs_diff": max(x["logits_max_abs_diff"] for x in res),
         "tokens_equal_target_greedy": all(x["matches_greedy"] for x in res),
         "mean_accepted": r["mean_accepted"], "tokens_per_s": round(r["tokens_per_s"], 2),
         "torch": torch.__version__, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
