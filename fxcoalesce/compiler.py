@@ -29,10 +29,6 @@ CHECK_RANKS_ENV = "FXCOALESCE_CHECK_RANKS"
 PROFILE_ENV = "FXCOALESCE_PROFILE"
 DUMP_ENV = "FXCOALESCE_DUMP"
 """A directory: dump every graph the backend compiles there, as ``Config.dump_dir`` does."""
-OVERLAP_PATCHES = {"reorder_for_compute_comm_overlap": True,
-                   "reorder_for_compute_comm_overlap_passes": ["raise_comms"]}
-"""Not "sink_waits": on torch 2.13 it moves KV-cache index_copy kernels ahead of the writes
-they depend on (wrong logits on kimi-k2-tiny verify, tests/test_ranks.py)."""
 
 
 def env_flag(name: str) -> bool:
@@ -92,8 +88,6 @@ def backend(config: Config | None = None, *, on_graph: Callable | None = None,
     if config is None or config.cost == Config().cost:
         cfg = _with_env_profile(cfg)
     base = inductor_patches(mode, options, cfg.codegen)
-    if cfg.inductor_overlap and cfg.codegen == "inductor":
-        base = {**OVERLAP_PATCHES, **base}
     check_ranks = cfg.check_ranks or env_flag(CHECK_RANKS_ENV)
 
     def compile_graph(gm, example_inputs, *, mode=None, options=None):

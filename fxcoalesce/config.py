@@ -176,13 +176,6 @@ class Config:
     alternative are in the report). The estimates read this rank's compute, which can differ
     between ranks, so the backend agrees on the resulting collectives at the first call and
     falls back to merging every group if ranks disagree. ``False``: always merge."""
-    inductor_overlap: bool = False
-    """Backend route: turn on Inductor's ``raise_comms`` scheduler pass, which issues each
-    collective as soon as its inputs are ready after fusion (it keeps the collectives' order).
-    Collectives kept separate then hide more compute (kimi-k2-tiny verify: 15 -> 35 kernels).
-    Off by default: Inductor's companion ``sink_waits`` pass mis-orders KV-cache writes
-    (wrong logits, found here on torch 2.13), so this pass's safety rests on our tests only.
-    Ignored if ``options=`` sets these keys."""
     check_ranks: bool = False
     """On the first run of each compiled graph, compare the sequence of collectives it issues
     across the ranks of each group it uses, and raise naming the first difference before any

@@ -49,15 +49,11 @@ def all_reduce_windows(code):
 def test_separate_collectives_keep_at_least_plain_overlap(steps, name):
     fn, args = steps[name]
     plain = all_reduce_windows(compiled_code(fn, args, "inductor"))
-    for overlap in (False, True):
-        ours = all_reduce_windows(compiled_code(fn, args, fxcoalesce.backend(
-            fxcoalesce.Config(passes=("schedule",), inductor_overlap=overlap))))
-        # same launches; every collective hides at least as many kernels as under plain
-        assert len(ours) == len(plain)
-        assert all(o.kernels >= p.kernels for o, p in zip(ours, plain))
-    if name == "kimi-k2-tiny":  # with raise_comms, each MoE layer's shared-expert
-        assert sum(o.kernels for o in ours) > sum(p.kernels for p in plain)  # all_reduce
-        # rises above the routed experts' compute
+    ours = all_reduce_windows(compiled_code(
+        fn, args, fxcoalesce.backend(fxcoalesce.Config(passes=("schedule",)))))
+    # same launches; every collective hides at least as many kernels as under plain Inductor
+    assert len(ours) == len(plain)
+    assert all(o.kernels >= p.kernels for o, p in zip(ours, plain))
 
 
 def test_generated_code_issues_collectives_in_the_passes_order(steps):

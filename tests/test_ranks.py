@@ -83,7 +83,7 @@ def test_symbolic_sizes_on_real_ranks_bit_exact():
             assert torch.equal(r["outs"][(), n], r["outs"][("bucket", "schedule"), n])
 
 
-def _against_eager(rank, world, options):
+def _against_eager(rank, world, options, inductor_options=None):
     """kimi-k2-tiny's verify step as the demo compiles it (the module an argument; KV cache
     written and read in the step, MoE, the head's all_gather), through fxcoalesce with
     ``options``, against eager on the same inputs."""
@@ -101,13 +101,25 @@ def _against_eager(rank, world, options):
         want = eagle3.verify_step(*args)[0].clone()
         torch._dynamo.reset()
         got = torch.compile(eagle3.verify_step, fullgraph=True, backend=fxcoalesce.backend(
-            fxcoalesce.Config(**options)))(*args)[0]
+            fxcoalesce.Config(**options), options=inductor_options))(*args)[0]
     return float((got - want).abs().max())
 
 
-@pytest.mark.parametrize("options", [{}, {"inductor_overlap": True}, {"reassociate": False}])
+@pytest.mark.parametrize("options", [{}, {"reassociate": False}])
 def test_compiled_verify_matches_eager(options):
-    """Regression: with Inductor's sink_waits pass on, the logits were off by ~2 (the KV cache
-    writes ran out of order); fxcoalesce compared only against itself and did not notice."""
+    """Regression: the backend once turned on Inductor's sink_waits/raise_comms passes; the
+    logits were off by ~2 (the KV cache writes ran out of order), and fxcoalesce, compared
+    only against itself, did not notice."""
     for err in spawn(_against_eager, 2, (options,), backend="gloo"):
+        assert err < 1e-4
+
+
+@pytest.mark.xfail(strict=True, reason="upstream: Inductor's raise_comms and sink_waits "
+                   "scheduler passes mis-order KV-cache writes (torch 2.13); when this starts "
+                   "passing, they may be worth turning on again")
+@pytest.mark.parametrize("passes", [["raise_comms"], ["sink_waits"]])
+def test_inductor_comm_reorder_passes_are_still_wrong(passes):
+    overlap = {"reorder_for_compute_comm_overlap": True,
+               "reorder_for_compute_comm_overlap_passes": passes}
+    for err in spawn(_against_eager, 2, ({}, overlap), backend="gloo"):
         assert err < 1e-4
