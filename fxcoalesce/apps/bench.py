@@ -291,6 +291,7 @@ def _bench_tokens(r: _Rank, tokens: int) -> dict:
         f = facts[name]
         f["times_us"] = times[name]
         f["recompiled"] = _graphs_made() != graphs
+        f["predicted_comm_us"] = [rep.predicted_comm_us for rep in f["reports"]]
         f["reports"] = [rep.all_reduce for rep in f["reports"]]
     notes = [] if hasattr(r.model, "setup_cache") or opt.step == "forward" else [
         f"{opt.model} has no KV cache: its verify step is a plain forward over the tokens"]
@@ -320,6 +321,7 @@ def merge_ranks(per_rank: list[list[dict]], opt: BenchOptions, env: dict) -> lis
                 v["failed_option_tiers"] = f["failed_tiers"]
             if f["reports"]:
                 v["report_all_reduce"] = f["reports"]
+                v["report_predicted_comm_us"] = f["predicted_comm_us"]
             if len(set(launches)) > 1:
                 v["all_reduce_launches_per_rank"] = launches
                 notes.append(f"{name}: ranks issued different all_reduce counts {launches}")
@@ -341,8 +343,22 @@ def merge_ranks(per_rank: list[list[dict]], opt: BenchOptions, env: dict) -> lis
             "dtype": str(opt.dtype).removeprefix("torch."), "steps": opt.steps,
             "warmup": opt.rounds_before_timing, **env, "variants": variants,
             "skipped": ranks[0]["skipped"], "notes": sorted(set(notes)),
-            "command": opt.command})
+            "gain": predicted_vs_measured(variants), "command": opt.command})
     return records
+
+
+def predicted_vs_measured(variants: dict) -> dict | None:
+    """fxcoalesce's step-time saving over plain Inductor, as its report predicted it (exposed
+    communication before minus after) and as measured (median against median)."""
+    ours, plain = variants.get("fxcoalesce"), variants.get("inductor")
+    if not ours or not plain or not ours.get("report_predicted_comm_us"):
+        return None
+    pred = ours["report_predicted_comm_us"]
+    predicted = sum(p["before"]["exposed"] - p["after"]["exposed"] for p in pred) / 1e3
+    measured = plain["median_ms"] - ours["median_ms"]
+    return {"predicted_ms": round(predicted, 4), "measured_ms": round(measured, 4),
+            "error": round((measured - predicted) / predicted, 3) if predicted else None,
+            "model": pred[0]["model"]}
 
 
 def environment(device: str) -> dict:

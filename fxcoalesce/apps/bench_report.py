@@ -54,6 +54,10 @@ def remarks(rec: dict) -> list[str]:
     """Skipped variants, warnings, and what a TP of 1 means."""
     lines = [f"{name}: skipped ({why})" for name, why in rec.get("skipped", {}).items()]
     lines += rec.get("notes", [])
+    if (g := rec.get("gain")) and g["error"] is not None:
+        lines.append(f"fxcoalesce vs inductor: measured {g['measured_ms']:+.3f} ms a step, the "
+                     f"report predicted {g['predicted_ms']:+.3f} ms ({g['error']:+.0%}; cost "
+                     f"model: {g['model']})")
     if rec["tp"] == 1:
         lines.append("TP 1: one rank, so no all_reduce moves data and nothing can be merged; "
                      "the variants differ only in how the step is compiled")
