@@ -6,8 +6,9 @@
 Sizes run from 8 B to 64 MiB, two per octave. On CPU each point is the median over repeated
 back-to-back loops of wall time; on CUDA, of CUDA-event time around the replay of a CUDA graph
 that captured the loop (the way torch.compile's CUDA-graph trees capture collectives), or an
-eager loop when capture is off or fails. The fit is piecewise alpha-beta (up to 3 segments,
-least squares on relative error), which ``CostModel.from_profile`` reads back.
+eager loop when capture is off or fails. The fit is piecewise alpha-beta (fewest segments,
+least squares on relative error refined to the smallest worst error; up to 4 segments:
+gloo switches algorithm between 256 KB and 3 MB), which ``CostModel.from_profile`` reads back.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ def _cuda_loop(t: torch.Tensor, reps: int, cudagraphs: bool):
 
 
 def calibrate_worker(rank: int, world: int, byte_sizes: list[int], device: str,
-                     cudagraphs: bool, budget_s: float, passes: int = 7) -> dict:
+                     cudagraphs: bool, budget_s: float, passes: int = 15) -> dict:
     """One rank's measurements: {bytes: µs}, and whether CUDA graphs were used.
 
     Sizes are measured round-robin over ``passes`` passes and each size keeps its median, so
@@ -94,6 +95,7 @@ def calibrate_worker(rank: int, world: int, byte_sizes: list[int], device: str,
     cuda = device == "cuda"
     dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
+    torch.set_num_threads(1)  # the ranks and gloo's threads share the cores
     tensors = {b: torch.zeros(b // FLOAT_BYTES, device=dev) for b in byte_sizes}
     reps = {}
     for nbytes, t in tensors.items():  # warm-up, and how many calls fill the budget
@@ -167,6 +169,26 @@ def _line(points: list[tuple[int, float]]) -> tuple[float, float]:
     return alpha, beta
 
 
+def _minimax(points: list[tuple[int, float]], alpha: float, beta: float
+             ) -> tuple[float, float]:
+    """Refine a least-squares line to shrink its worst relative error: alternate 1-D searches
+    on alpha and beta (the worst error is convex in each), keeping both >= 0."""
+    worst = lambda a, b: max(abs(a + b * x - m) / m for x, m in points)  # noqa: E731
+
+    def search(f, lo, hi):
+        for _ in range(60):
+            m1, m2 = lo + (hi - lo) / 3, hi - (hi - lo) / 3
+            lo, hi = (lo, m2) if f(m1) <= f(m2) else (m1, hi)
+        return (lo + hi) / 2
+
+    top = max(m for _, m in points)
+    for _ in range(4):
+        alpha = search(lambda a: worst(a, beta), 0.0, 2 * top)
+        span = max(beta * 4, top / max(x for x, _ in points))
+        beta = search(lambda b: worst(alpha, b), 0.0, span)
+    return alpha, beta
+
+
 def _max_error(segments, points) -> float:
     return max(abs(_predict(segments, b) - m) / m for b, m in points)
 
@@ -176,25 +198,29 @@ def _predict(segments: list[dict], nbytes: int) -> float:
     return seg["alpha_us"] + seg["beta_us_per_byte"] * nbytes
 
 
-def fit(points: dict[int, float], max_segments: int = 3) -> list[dict]:
+def fit(points: dict[int, float], max_segments: int = 4) -> list[dict]:
     """Piecewise alpha-beta with the fewest segments whose worst relative error is under 10%
-    (else the best of up to ``max_segments``); breakpoints at measured sizes."""
+    (else the best of up to ``max_segments``); breakpoints at measured sizes. Candidate
+    breakpoints are ranked by least squares; the best few are refined to minimax."""
     pts = sorted(points.items())
 
-    def segs(cuts):
+    def segs(cuts, refine=False):
         bounds = [0, *cuts, len(pts)]
         out = []
         for lo, hi in zip(bounds, bounds[1:]):
             a, b = _line(pts[lo:hi])
+            if refine:
+                a, b = _minimax(pts[lo:hi], a, b)
             out.append({"up_to_bytes": pts[hi - 1][0], "alpha_us": a, "beta_us_per_byte": b})
         return out
 
-    best = segs([])
+    best = segs([], refine=True)
     for k in range(1, max_segments):
         if _max_error(best, pts) < 0.10:
             break
-        for cuts in _cut_choices(len(pts), k):
-            cand = segs(list(cuts))
+        ranked = sorted(_cut_choices(len(pts), k), key=lambda c: _max_error(segs(c), pts))
+        for cuts in ranked[:8]:
+            cand = segs(list(cuts), refine=True)
             if _max_error(cand, pts) < _max_error(best, pts):
                 best = cand
     return best
