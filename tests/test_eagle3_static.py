@@ -119,3 +119,53 @@ def test_room_checks():
     draft.setup_cache(128)
     with pytest.raises(ValueError, match="draft KV cache"):
         es.speculative_generate_static(target, draft, PROMPT, 10, spec=SPEC)
+
+
+def test_compiled_steps_are_cuda_graph_ready(monkeypatch):
+    """What would make Inductor skip CUDA graphs for the steps, checked on CPU (where the CPU
+    device itself is the reason given): an op CUDA graphs cannot hold, or an input mutated
+    in place that is not a parameter or buffer (the KV caches must be module buffers). Both steps go through the fxcoalesce backend with mode="reduce-overhead"
+    and Inductor, as the GPU benchmark compiles them."""
+    import torch._inductor.compile_fx as compile_fx
+    import torch._inductor.config as inductor_config
+    import torch._inductor.cudagraph_utils as cudagraph_utils
+
+    from fxcoalesce.models import llama
+
+    names = ("check_for_mutation_ignore_cuda_graph_managed_tensor",
+             "check_lowering_disable_cudagraph")
+    if not all(hasattr(cudagraph_utils, n) for n in names) or not hasattr(
+            compile_fx, "get_first_incompatible_cudagraph_node"):
+        pytest.skip("this torch's Inductor checks CUDA-graph safety elsewhere")
+    mutations, incompatible = [], []
+    check_mutation = cudagraph_utils.check_for_mutation_ignore_cuda_graph_managed_tensor
+    check_ops = compile_fx.get_first_incompatible_cudagraph_node
+
+    def spy_mutation(*args):
+        mutations.append(check_mutation(*args))
+        return "test: CUDA graphs stay off on CPU"
+
+    monkeypatch.setattr(cudagraph_utils, names[0], spy_mutation)
+    monkeypatch.setattr(cudagraph_utils, names[1], lambda mapping: None)  # the CPU device
+    monkeypatch.setattr(compile_fx, "get_first_incompatible_cudagraph_node",
+                        lambda gm: incompatible.append(check_ops(gm)) or incompatible[-1])
+    torch._dynamo.reset()
+    target = llama.build(llama.TINY)
+    spec = es.TreeSpec(top_k=4, depth=3, total_tokens=12)
+    target.setup_cache(1, 128)
+    draft = e3.build_draft(e3.DraftArgs.for_target(target.args, draft_vocab=64),
+                           d2t=torch.full((64,), 5), seed=1)
+    draft.setup_cache(128 + spec.draft_slots())
+    be = fxcoalesce.backend(fxcoalesce.Config(), mode="reduce-overhead")
+    prompt = torch.arange(3, 20)
+    with inductor_config.patch({"triton.cudagraph_support_input_mutation": False,
+                                "graph_partition": False}):
+        step = torch.compile(es.spec_step, backend=be, fullgraph=True)
+        got, _ = es.speculative_generate_static(target, draft, prompt, 12, spec=spec,
+                                                step_fn=step)
+        decode = torch.compile(es.decode_step, backend=be, fullgraph=True)
+        want = es.greedy_generate_static(target, prompt, 12, step_fn=decode)
+    torch._dynamo.reset()
+    assert got == want
+    assert mutations == [None, None]  # both graphs ran the check; every mutation is a buffer
+    assert incompatible == [None, None]
