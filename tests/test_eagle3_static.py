@@ -169,3 +169,52 @@ def test_compiled_steps_are_cuda_graph_ready(monkeypatch):
     assert got == want
     assert mutations == [None, None]  # both graphs ran the check; every mutation is a buffer
     assert incompatible == [None, None]
+
+
+def _tp2_inductor_worker(rank: int, world: int, overlap: bool) -> dict:
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from fxcoalesce.models import llama
+
+    torch.set_num_threads(1)
+    target = llama.build(llama.TINY)
+    spec = es.TreeSpec(top_k=4, depth=4, total_tokens=16)
+    prompt = torch.arange(3, 20)
+    target.setup_cache(1, 128)
+    seq = torch.cat([prompt, e3.greedy_generate(target, prompt, 60)])
+
+    class Hinted(e3.Eagle3Draft):
+        def forward(self, tokens, *rest):
+            logits, hidden = super().forward(tokens, *rest)
+            return logits + 20 * F.one_hot(self.hint[tokens], logits.shape[-1]), hidden
+
+    args = e3.DraftArgs.for_target(target.args)
+    draft = Hinted(args)
+    draft.load_state_dict(e3.build_draft(args, seed=1).state_dict())
+    hint = torch.zeros(args.target_vocab, dtype=torch.long)
+    hint[seq[:-1]] = seq[1:]
+    draft.register_buffer("hint", hint)
+    llama.apply_tp(target, dist.group.WORLD)
+    target.setup_cache(1, 128)
+    draft.setup_cache(128 + spec.draft_slots())
+    step = torch.compile(es.spec_step, fullgraph=True, backend=fxcoalesce.backend(
+        fxcoalesce.Config(inductor_overlap=overlap)))
+    got, stats = es.speculative_generate_static(target, draft, prompt, 40, spec=spec,
+                                                step_fn=step)
+    return dict(got=got, want=seq[len(prompt): len(prompt) + 40].tolist(),
+                accepted=stats.accepted)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overlap", [False, pytest.param(True, marks=pytest.mark.xfail(
+    strict=True, reason="Inductor's sink_waits (Config.inductor_overlap) moves the wait of "
+    "the last all_reduce past a fused kernel that reads it: wrong logits"))])
+def test_compiled_step_tp2_inductor(overlap):
+    """The speculative step compiled by Inductor over 2 gloo ranks decodes the target's greedy
+    tokens, accepting long paths. With Config(inductor_overlap=True) it does not (the
+    generated code reads the last all_reduce's buffer before waiting for it)."""
+    from fxcoalesce.apps.launch import spawn
+
+    for r in spawn(_tp2_inductor_worker, 2, (overlap,), backend="gloo"):
+        assert r["got"] == r["want"] and max(r["accepted"]) >= 4, r

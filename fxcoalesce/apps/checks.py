@@ -134,6 +134,8 @@ def check_train_draft(args) -> None:
                          "to distil from")
     if not args.minutes > 0:
         raise ValueError(f"--minutes must be > 0, not {args.minutes}")
+    if not 0 < args.gen_share <= 1:
+        raise ValueError(f"--gen-share must be in (0, 1], not {args.gen_share}")
     if not args.lr > 0:
         raise ValueError(f"--lr must be > 0, not {args.lr}")
     _at_least(1, gen_batch=args.gen_batch, gen_tokens=args.gen_tokens,

@@ -132,7 +132,8 @@ def cmd_train_draft(args) -> int:
     from fxcoalesce.apps.train_draft import TrainOptions, run_train_draft
 
     opt = TrainOptions(out=args.out, target=args.target, device=args.device,
-                       minutes=args.minutes, prompts=args.prompts, gen_batch=args.gen_batch,
+                       minutes=args.minutes, gen_share=args.gen_share, prompts=args.prompts,
+                       gen_batch=args.gen_batch,
                        gen_tokens=args.gen_tokens, draft_vocab=args.draft_vocab,
                        ttt_steps=args.ttt_steps, batch_tokens=args.batch_tokens, lr=args.lr)
     stats = run_train_draft(opt, command="fxcoalesce " + " ".join(sys.argv[1:]))
@@ -236,6 +237,9 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--minutes", type=float, default=5.0,
                    help="wall-time budget for generating data and training together, loading "
                         "aside (default: %(default)s)")
+    t.add_argument("--gen-share", type=float, default=0.4,
+                   help="share of --minutes after which generation starts no new batch "
+                        "(default: %(default)s)")
     t.add_argument("--prompts", type=int,
                    help="use only the first N training prompts (default: all, ~19k)")
     t.add_argument("--gen-batch", type=int, default=256,

@@ -65,6 +65,7 @@ def save_head(draft: Eagle3Draft, out: Path, config: dict, dtype=torch.bfloat16)
         files.append(path)
     for path in files:
         os.replace(path.with_name(f".{path.name}.tmp"), path)
+        path.chmod(0o644)
     for stale in set(out.glob("model-*.safetensors")) - set(files):
         stale.unlink()
     return files

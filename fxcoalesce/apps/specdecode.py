@@ -11,6 +11,11 @@ compiles two steps through the fxcoalesce backend with the same settings:
 ``mode="reduce-overhead"`` makes each a CUDA graph on GPUs. A warm-up prompt compiles and
 records them; every prompt is then decoded both ways, timed end to end (prefill included),
 and the two token sequences are compared.
+
+``Config(inductor_overlap=False)``: Inductor's ``sink_waits`` pass, which that option turns
+on, moves the wait of the last all_reduce of the speculative step past a fused kernel that
+reads its result (wrong tokens at TP 2: tests/test_eagle3_static.py reproduces it). A
+sequential model has nothing to overlap anyway: every all_reduce is needed at once.
 """
 
 from __future__ import annotations
@@ -93,7 +98,7 @@ def spec_worker(rank: int, world: int, opt: SpecOptions) -> dict:
     settings = dict(mode=opt.mode) if opt.mode else {}
 
     def compiled(fn, label: str):
-        be = backend(Config(codegen=opt.codegen), **settings,
+        be = backend(Config(codegen=opt.codegen, inductor_overlap=False), **settings,
                      on_graph=lambda before, after, report: reports[label].append(report))
         return torch.compile(fn, backend=be, fullgraph=True)
 
