@@ -77,48 +77,51 @@ def test_speculative_equals_greedy_real_weights(target):
 
 def test_temperature_zero_sampling_is_greedy(target):
     model, tok = target
-    prompt = torch.tensor(tok.encode_chat("Name a color."))
-    want = e3.greedy_generate(model, prompt, 12, stop_tokens={tok.eos_id})
+    prompt = torch.tensor(tok.encode_chat("What is the capital of France?"))
+    want = e3.greedy_generate(model, prompt, 16, stop_tokens={tok.eos_id})
     draft = hinted_draft(model, torch.cat([prompt, want]))
-    got, _ = e3.speculative_generate(model, draft, prompt, 12, greedy=False, temperature=0.0,
+    got, _ = e3.speculative_generate(model, draft, prompt, 16, greedy=False, temperature=0.0,
                                      top_k=4, depth=3, total_tokens=12,
                                      stop_tokens={tok.eos_id})
-    assert torch.equal(got, want) and got[-1] == tok.eos_id
+    assert torch.equal(got, want) and got[-1] == tok.eos_id  # "... is Paris." then EOS
+
+
+def _verify_probs(model, tree: e3.Tree, prefix: int, temperature: float) -> torch.Tensor:
+    input_pos, cache_pos, mask = e3.tree_verify_inputs(tree, prefix, 256)
+    with torch.no_grad():
+        logits = e3.verify_step(model, tree.tokens[None], input_pos, cache_pos, mask)[0][0]
+    return (logits / temperature).softmax(-1)
 
 
 def test_sampling_keeps_the_real_target_distribution(target):
-    """The distribution check of test_eagle3 on the real target's probabilities over a real
-    tree: the first emitted token follows p at the root, the second (after the first
-    candidate is accepted) p at that candidate. Cells: the candidates, and all other tokens."""
+    """The distribution check of test_eagle3 on the real target: a tree whose candidates are
+    the target's own likeliest tokens (root -> its top 4; the first of them -> its top 4), at
+    temperature 1. The first emitted token must follow p at the root, the second (when the
+    first candidate is accepted) p at that candidate; cells: the candidates and the rest."""
     model, tok = target
     prompt = torch.tensor(tok.encode_chat("Write a short poem about the sea."))
-    logits, hidden = e3.prefill(model, prompt)
-    draft = hinted_draft(model, torch.cat([prompt, logits[-1:].argmax(-1)]))
-    root = logits[-1].argmax()
-    tree = e3.draft_tree(draft, torch.cat([prompt[1:], root.view(1)]), hidden, len(prompt),
-                         top_k=4, depth=2, total_tokens=9)
-    input_pos, cache_pos, mask = e3.tree_verify_inputs(tree, len(prompt), 256)
-    with torch.no_grad():
-        probs = (e3.verify_step(model, tree.tokens[None], input_pos, cache_pos, mask)[0][0]
-                 / 1.5).softmax(-1)  # temperature 1.5: several likely tokens
-    kids = tree.children()
-    first = tree.tokens[kids[0]]
-    second = tree.tokens[kids[kids[0][0]]]
+    logits, _ = e3.prefill(model, prompt)
+    root = logits[-1].argmax().view(1)
+    temperature, P = 1.0, len(prompt)
+    first = _verify_probs(model, e3.Tree.from_parents(root, [-1]), P, temperature)[0]
+    first = first.topk(4).indices  # the likeliest tokens after the root
+    probe = e3.Tree.from_parents(torch.cat([root, first[:1]]), [-1, 0])
+    second = _verify_probs(model, probe, P, temperature)[1].topk(4).indices
+    tree = e3.Tree.from_parents(torch.cat([root, first, second]), [-1, 0, 0, 0, 0, 1, 1, 1, 1])
+    probs = _verify_probs(model, tree, P, temperature)
     gen = torch.Generator().manual_seed(0)
-    counts = [torch.zeros(len(first) + 1), torch.zeros(len(second) + 1)]
+    counts = [torch.zeros(5), torch.zeros(5)]
     for _ in range(6000):
         out, path = e3.accept_sampling(tree, probs, gen)
-        for cell_counts, cands, token, ok in ((counts[0], first, out[0], True),
-                                              (counts[1], second, out[-1], len(path) > 1 and
-                                               int(path[1]) == kids[0][0] and len(out) > 1)):
-            if ok:
-                hit = (cands == token).nonzero()
-                cell_counts[int(hit[0]) if len(hit) else -1] += 1
-    for cell_counts, node, cands in ((counts[0], 0, first), (counts[1], kids[0][0], second)):
+        for k, cands in enumerate((first, second)):
+            if k == 0 or (len(path) > 1 and int(path[1]) == 1):
+                hit = (cands == out[k]).nonzero()
+                counts[k][int(hit[0]) if len(hit) else 4] += 1
+    for k, (node, cands) in enumerate(((0, first), (1, second))):
         p = probs[node, cands].double()
         expected = torch.cat([p, 1 - p.sum(0, keepdim=True)])
-        assert (cell_counts.sum() * expected).min() > 5, expected  # chi-square applies
-        assert chi_square(cell_counts.double(), expected) < CHI2_LIMIT, (cell_counts, expected)
+        assert (counts[k].sum() * expected).min() > 5, expected  # chi-square applies
+        assert chi_square(counts[k].double(), expected) < CHI2_LIMIT, (counts[k], expected)
     assert counts[1].sum() > 500  # the first candidate was accepted often enough to test
 
 

@@ -12,8 +12,10 @@
 
 ``minutes`` bounds generation and training together (loading comes on top): generation
 stops at ``gen_share`` of it, training at the end. Initialisation: the draft's embedding is
-the target's (frozen), its head starts from the target's (tied) output rows of the draft
-vocabulary and its final norm from the target's.
+the target's (frozen); the rest is seeded as ``eagle3.build_draft`` does. (Starting the head
+from the target's output rows of the draft vocabulary and its final norm from the target's
+was worse: on 48 responses, held-out loss 5.71 against 4.88 after 100 steps, top-1 0.21
+against 0.29; the head's large initial logits cost ~7 nats to unlearn.)
 """
 
 from __future__ import annotations
@@ -146,18 +148,15 @@ def draft_vocabulary(samples: list[Sample], vocab: int, size: int) -> tuple[torc
 
 
 def init_draft(target, vocab_ids: torch.Tensor, device, seed: int):
-    """Float32 draft for ``target``: seeded layers, the target's embedding (frozen), its
-    output rows of the draft vocabulary as the head, its final norm weight."""
+    """Float32 draft for ``target`` over the draft vocabulary ``vocab_ids``: seeded layers and
+    head, the target's embedding (frozen)."""
     from fxcoalesce.models import eagle3 as e3
 
     args = e3.DraftArgs.for_target(target.args, draft_vocab=vocab_ids.numel())
     d2t = vocab_ids - torch.arange(vocab_ids.numel())
     draft = e3.build_draft(args, d2t=d2t, device=device, seed=seed)
-    embed = target.embed.weight.detach().float()
     with torch.no_grad():
-        draft.embed.weight.copy_(embed)
-        draft.lm_head.weight.copy_(embed[vocab_ids.to(embed.device)])
-        draft.norm.weight.copy_(target.norm.weight.float())
+        draft.embed.weight.copy_(target.embed.weight.detach().float())
     draft.embed.weight.requires_grad_(False)
     return draft
 
