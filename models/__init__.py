@@ -1,6 +1,6 @@
 """Tensor-parallel model zoo: named configs, one build function, one apply_tp.
 
-Each family module (``transformer``, ``deepseek``) has ``CONFIGS``, ``build(name, ...)``,
+Each family module (``transformer``, ``deepseek``, ``llama``) has ``CONFIGS``, ``build(name, ...)``,
 ``apply_tp(model, group)`` and ``check_tp(args, world)`` (the sizes ``apply_tp`` must split
 evenly). Models import only torch.
 """
@@ -13,7 +13,7 @@ from types import ModuleType
 
 import torch
 
-FAMILIES = ("transformer", "deepseek")
+FAMILIES = ("transformer", "deepseek", "llama")
 
 
 def _family_modules() -> list[ModuleType]:

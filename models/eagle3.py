@@ -18,7 +18,7 @@ sampled token) not yet in it:
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable, Sequence
+from typing import Callable, Collection, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -350,14 +350,24 @@ def prefill(target: nn.Module, prompt: torch.Tensor) -> tuple[torch.Tensor, torc
     return logits[0], hidden[0]
 
 
+def cut_at_stop(tokens: torch.Tensor, stop_tokens: Collection[int]) -> torch.Tensor:
+    """``tokens`` [n] up to and including the first of ``stop_tokens`` (all if none is there)."""
+    hits = [i for i, t in enumerate(tokens.tolist()) if t in stop_tokens]
+    return tokens[: hits[0] + 1] if hits else tokens
+
+
 @torch.no_grad()
-def greedy_generate(target: nn.Module, prompt: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
-    """Plain autoregressive greedy decoding: prompt [P] -> new tokens [max_new_tokens]."""
+def greedy_generate(target: nn.Module, prompt: torch.Tensor, max_new_tokens: int, *,
+                    stop_tokens: Collection[int] = ()) -> torch.Tensor:
+    """Plain autoregressive greedy decoding: prompt [P] -> new tokens [max_new_tokens], or
+    fewer, ending with the first of ``stop_tokens`` generated (e.g. EOS)."""
     T, P = kv_caches(target)[0].shape[1], prompt.shape[0]
     logits, _ = prefill(target, prompt)
     out = [logits[-1].argmax()]
     one = torch.ones(1, 1, dtype=torch.bool, device=prompt.device)
     for i in range(max_new_tokens - 1):
+        if stop_tokens and int(out[-1]) in stop_tokens:
+            break
         pos = torch.tensor([P + i], device=prompt.device)
         logits, _ = target(out[-1].view(1, 1), pos, pos, visible_mask(P + i, one, T))
         out.append(logits[0, -1].argmax())
@@ -383,10 +393,14 @@ def speculative_generate(target: nn.Module, draft: Eagle3Draft, prompt: torch.Te
                          max_new_tokens: int, *, verify_fn: Callable = verify_step, top_k: int = 8,
                          depth: int = 5, total_tokens: int = 60, greedy: bool = True,
                          temperature: float = 1.0, generator: torch.Generator | None = None,
+                         stop_tokens: Collection[int] = (),
                          ) -> tuple[torch.Tensor, SpecStats]:
-    """EAGLE-3 decoding: prompt [P] -> (new tokens [max_new_tokens], stats). Every verify has
-    exactly ``total_tokens`` tokens, so a compiled ``verify_fn`` compiles once. Under TP every
-    rank runs this with the same draft weights (and the same ``generator`` seed if sampling)."""
+    """EAGLE-3 decoding: prompt [P] -> (new tokens [max_new_tokens], stats); fewer tokens when
+    one of ``stop_tokens`` (e.g. EOS) is generated, ending with it. Sampling at temperature 0
+    is greedy decoding. Every verify has exactly ``total_tokens`` tokens, so a compiled
+    ``verify_fn`` compiles once. Under TP every rank runs this with the same draft weights
+    (and the same ``generator`` seed if sampling)."""
+    greedy = greedy or temperature == 0
     T, P = kv_caches(target)[0].shape[1], prompt.shape[0]
     if P + max_new_tokens + total_tokens > T:
         raise ValueError(f"prompt ({P}) + max_new_tokens ({max_new_tokens}) + total_tokens "
@@ -403,7 +417,8 @@ def speculative_generate(target: nn.Module, draft: Eagle3Draft, prompt: torch.Te
     root = pick(logits[-1]).view(1)
     out, L, stats = [root], P, SpecStats([])
     tokens = torch.cat([prompt[1:], root])  # pairs (x_{j+1}, h_j) the draft has not seen
-    while sum(stats.accepted) + 1 < max_new_tokens:
+    stopped = bool(stop_tokens) and int(root) in stop_tokens
+    while not stopped and sum(stats.accepted) + 1 < max_new_tokens:
         tree = draft_tree(draft, tokens, hidden, L, top_k=top_k, depth=depth,
                           total_tokens=total_tokens)
         input_pos, cache_pos, mask = tree_verify_inputs(tree, L, T)
@@ -416,4 +431,5 @@ def speculative_generate(target: nn.Module, draft: Eagle3Draft, prompt: torch.Te
         hidden = tree_hidden[0, path]
         out.append(tokens)
         stats.accepted.append(len(tokens))
-    return torch.cat(out)[:max_new_tokens], stats
+        stopped = bool(stop_tokens) and bool(set(tokens.tolist()) & set(stop_tokens))
+    return cut_at_stop(torch.cat(out)[:max_new_tokens], stop_tokens), stats

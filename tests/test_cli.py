@@ -28,18 +28,21 @@ def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
 BAD_INPUT = [  # (arguments, the one stderr line after "fxcoalesce <cmd>: error: ")
     (["inspect"], "--model is required (--list names the models)"),
     (["inspect", "--model", "no-such-model"], "unknown model 'no-such-model'; choose one of: "
-     "llama-tiny, neox-tiny, llama-3-70b, falcon-40b, kimi-k2, deepseek-v3, kimi-k2-tiny"),
+     "llama-tiny, neox-tiny, llama-3-70b, falcon-40b, kimi-k2, deepseek-v3, kimi-k2-tiny, "
+     "smollm2-135m"),
     (["inspect", "--model", "neox-tiny", "--tp", "0"], "--tp must be at least 1, not 0"),
     (["inspect", "--model", "neox-tiny", "--tp", "3"], "neox-tiny: tensor parallelism 3 does "
      "not divide the key/value heads (4); choose a TP degree that divides 4"),
     (["inspect", "--model", "neox-tiny", "--tokens", "0"], "--tokens must be at least 1, not 0"),
     (["inspect", "--model", "neox-tiny", "--layers", "0"], "--layers must be at least 1, not 0"),
     (["inspect", "--model", "neox-tiny", "--tp", "4", "--step", "verify"], "neox-tiny has no "
-     "'verify' step (it needs a KV-cached model: kimi-k2, deepseek-v3, kimi-k2-tiny)"),
+     "'verify' step (it needs a KV-cached model: kimi-k2, deepseek-v3, kimi-k2-tiny, "
+     "smollm2-135m)"),
     (["inspect", "--model", "neox-tiny", "--bucket-cap-mb", "inf"],
      "--bucket-cap-mb: bucket_cap_mb must be a finite number > 0, not inf"),
     (["bench", "--model", "no-such-model"], "unknown model 'no-such-model'; choose one of: "
-     "llama-tiny, neox-tiny, llama-3-70b, falcon-40b, kimi-k2, deepseek-v3, kimi-k2-tiny"),
+     "llama-tiny, neox-tiny, llama-3-70b, falcon-40b, kimi-k2, deepseek-v3, kimi-k2-tiny, "
+     "smollm2-135m"),
     (["bench", "--tp", "0"], "--tp must be at least 1, not 0"),
     (["bench", "--tp", "3"], "neox-tiny: tensor parallelism 3 does not divide the key/value "
      "heads (4); choose a TP degree that divides 4"),
@@ -52,7 +55,7 @@ BAD_INPUT = [  # (arguments, the one stderr line after "fxcoalesce <cmd>: error:
     (["demo", "--tokens", "0"], "--tokens must be at least 2, not 0 (the first new token comes "
      "from the prefill, the others from verify steps)"),
     (["demo", "--model", "neox-tiny"], "neox-tiny has no 'verify' step (it needs a KV-cached "
-     "model: kimi-k2, deepseek-v3, kimi-k2-tiny)"),
+     "model: kimi-k2, deepseek-v3, kimi-k2-tiny, smollm2-135m)"),
 ]
 NEEDS_NO_CUDA = [
     (["bench", "--device", "cuda"], "--device cuda: torch sees no CUDA GPU (use --device cpu)"),

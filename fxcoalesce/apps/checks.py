@@ -13,6 +13,9 @@ from pathlib import Path
 
 from fxcoalesce.config import Config
 
+PRETRAINED = "smollm2-135m"
+"""The model with pretrained weights (apps/smollm2.py): demo decodes it with a trained head."""
+
 
 def _at_least(minimum: int, why: str = "", **options: int) -> None:
     """Each ``--option`` (given by keyword) must be >= ``minimum``; ``why`` is added to the
@@ -222,12 +225,48 @@ def check_bench(args) -> None:
 
 def check_demo(args) -> None:
     _at_least(1, tp=args.tp)
-    _at_least(2, "the first new token comes from the prefill, the others from verify steps",
-              tokens=args.tokens)
+    if args.tokens is not None:
+        _at_least(2, "the first new token comes from the prefill, the others from verify steps",
+                  tokens=args.tokens)
     if args.out:
         _can_make_dir(args.out, "demo", "demo.json")
     _model(args.model, args.tp, "verify")
     _gpus(args.device, args.backend, args.tp)
+    if args.model == PRETRAINED:
+        from .demo_smollm2 import head_path
+
+        head_path(args.draft)
+        if not args.prompt.strip():
+            raise ValueError("--prompt is empty")
+
+
+def check_train_draft(args) -> None:
+    from fxcoalesce import models
+
+    models.family_of(args.target)  # "unknown model ...; choose one of: ..."
+    if args.target != PRETRAINED:
+        raise ValueError(f"--target {args.target}: only {PRETRAINED} has pretrained weights "
+                         "to distil from")
+    if not args.minutes > 0:
+        raise ValueError(f"--minutes must be > 0, not {args.minutes}")
+    if not 0 < args.gen_share <= 1:
+        raise ValueError(f"--gen-share must be in (0, 1], not {args.gen_share}")
+    if not args.lr > 0:
+        raise ValueError(f"--lr must be > 0, not {args.lr}")
+    _at_least(1, gen_batch=args.gen_batch, gen_tokens=args.gen_tokens,
+              draft_vocab=args.draft_vocab, ttt_steps=args.ttt_steps,
+              batch_tokens=args.batch_tokens)
+    if args.prompts is not None:
+        _at_least(1, prompts=args.prompts)
+    if Path(args.out).is_file():
+        raise ValueError(f"--out {args.out} is a file; train-draft writes a directory "
+                         "(config.json, safetensors shards, train_log.json)")
+    _no_file_above(args.out, Path(args.out))
+    import torch
+
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    _gpus(args.device, None, 1)
 
 
 def check_calibrate(args) -> None:

@@ -1,4 +1,4 @@
-"""The ``fxcoalesce`` command: inspect, bench, demo."""
+"""The ``fxcoalesce`` command: inspect, bench, demo, train-draft, calibrate."""
 
 from __future__ import annotations
 
@@ -204,6 +204,23 @@ def _int_list(text: str) -> tuple[int, ...]:
             from None
 
 
+def cmd_train_draft(args) -> int:
+    from fxcoalesce.apps.train_draft import TrainOptions, run_train_draft
+
+    opt = TrainOptions(out=args.out, target=args.target, device=args.device,
+                       minutes=args.minutes, gen_share=args.gen_share, prompts=args.prompts,
+                       gen_batch=args.gen_batch,
+                       gen_tokens=args.gen_tokens, draft_vocab=args.draft_vocab,
+                       ttt_steps=args.ttt_steps, batch_tokens=args.batch_tokens, lr=args.lr)
+    stats = run_train_draft(opt, command="fxcoalesce " + " ".join(sys.argv[1:]))
+    log = Path(args.out) / "train_log.json"
+    log.write_text(json.dumps(stats, indent=1))
+    print(f"{args.target} draft head in {args.out}: {stats['steps']} steps, "
+          f"{stats['epochs']:.2f} epochs over {stats['response_tokens']} response tokens; "
+          f"last top-1 agreement per unrolled step {stats['last_top1']}; wrote {log}")
+    return 0
+
+
 def cmd_demo(args) -> int:
     from fxcoalesce.apps.demo import run_demo
 
@@ -296,20 +313,57 @@ def parser() -> argparse.ArgumentParser:
                    help="target model, KV-cached (default: %(default)s)")
     d.add_argument("--tp", type=int, default=2,
                    help="ranks, one process each; 1 runs in this process (default: %(default)s)")
-    d.add_argument("--tokens", type=int, default=32,
-                   help="new tokens to generate, at least 2 (default: %(default)s)")
+    d.add_argument("--tokens", type=int,
+                   help="new tokens to generate, at least 2 (default: 32; smollm2-135m: 256, "
+                        "or fewer when it stops at EOS)")
     d.add_argument("--backend", choices=["gloo", "nccl"],
                    help="process group backend (default: nccl with --device cuda and a GPU "
                         "per rank, else gloo)")
-    d.add_argument("--codegen", default="inductor", choices=["inductor", "eager"],
-                   help="code generator for both verify variants (default: %(default)s)")
+    d.add_argument("--codegen", choices=["inductor", "eager"],
+                   help="code generator for the compiled steps (default: inductor; eager for "
+                        "smollm2-135m on CPU, where Inductor takes minutes over 30 layers)")
     d.add_argument("--hand-merged", action="store_true",
                    help="use the engines' hand-merged model code as the target")
     d.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="where weights and activations live (default: %(default)s)")
     d.add_argument("--out", help="directory to write demo.json into, created if missing "
                                  "(default: write nothing)")
+    d.add_argument("--prompt", default="Why is the sky blue?",
+                   help="smollm2-135m: the user message, chat template applied "
+                        "(default: %(default)r)")
+    d.add_argument("--draft", help="smollm2-135m: draft head directory from train-draft "
+                                   "(default: the repository's heads/smollm2-135m)")
     d.set_defaults(fn=cmd_demo, check=checks.check_demo)
+
+    t = sub.add_parser("train-draft", help="train an EAGLE-3 draft head for a pretrained target "
+                                           "by self-distillation")
+    t.add_argument("--target", default="smollm2-135m",
+                   help="target model with pretrained weights (default: %(default)s)")
+    t.add_argument("--out", required=True,
+                   help="directory for the head: config.json, safetensors shards, train_log.json")
+    t.add_argument("--device", choices=["cpu", "cuda"],
+                   help="where to train (default: cuda if torch sees one, else cpu)")
+    t.add_argument("--minutes", type=float, default=5.0,
+                   help="wall-time budget for generating data and training together, loading "
+                        "aside (default: %(default)s)")
+    t.add_argument("--gen-share", type=float, default=0.4,
+                   help="share of --minutes after which generation starts no new batch "
+                        "(default: %(default)s)")
+    t.add_argument("--prompts", type=int,
+                   help="use only the first N training prompts (default: all, ~19k)")
+    t.add_argument("--gen-batch", type=int, default=256,
+                   help="prompts answered together (default: %(default)s)")
+    t.add_argument("--gen-tokens", type=int, default=256,
+                   help="longest response generated (default: %(default)s)")
+    t.add_argument("--draft-vocab", type=int, default=8192,
+                   help="draft vocabulary size (default: %(default)s)")
+    t.add_argument("--ttt-steps", type=int, default=7,
+                   help="unrolled draft steps in training (default: %(default)s)")
+    t.add_argument("--batch-tokens", type=int, default=16384,
+                   help="token positions per optimizer step (default: %(default)s)")
+    t.add_argument("--lr", type=float, default=1e-3,
+                   help="peak learning rate (default: %(default)s)")
+    t.set_defaults(fn=cmd_train_draft, check=checks.check_train_draft)
 
     c = sub.add_parser("calibrate", help="measure all_reduce latency on real ranks and fit "
                                          "the cost model (profile.json)")
@@ -341,8 +395,13 @@ def _run(args) -> int:
     failure at run time, not bad input), with its traceback first under -v."""
     from fxcoalesce.apps.launch import RankError
 
+    from fxcoalesce.apps.smollm2 import WeightsError
+
     try:
         return args.fn(args)
+    except WeightsError as e:  # the weights cannot be had: not bad input, but one line
+        _error(args.cmd, str(e))
+        return 1
     except RankError as e:
         hint = ""
         if args.verbose:

@@ -122,8 +122,15 @@ def demo_worker(rank: int, world: int, opt: DemoOptions) -> dict:
 
 
 def run_demo(args) -> int:
-    opt = DemoOptions(model=args.model, tokens=args.tokens, codegen=args.codegen,
-                      hand_merged=args.hand_merged, device=args.device)
+    from .smollm2 import NAME
+
+    if args.model == NAME:  # pretrained weights and a trained draft head
+        from .demo_smollm2 import run_smollm2_demo
+
+        return run_smollm2_demo(args)
+    opt = DemoOptions(model=args.model, tokens=args.tokens or 32,
+                      codegen=args.codegen or "inductor", hand_merged=args.hand_merged,
+                      device=args.device)
     t0 = time.perf_counter()
     if args.tp == 1:
         res = [demo_worker(0, 1, opt)]

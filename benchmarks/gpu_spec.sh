@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# EAGLE-3 on SmolLM2-135M on the GPU machine: train a draft head, then measure it. One or two
+# stages per device call, each call under the 10-minute limit; run from the repository root.
+#
+#   bash benchmarks/gpu_spec.sh prep           # ~1 min: install, gather the GGUF parts
+#   bash benchmarks/gpu_spec.sh prep train     # ~8 min: the second part, then train
+#   bash benchmarks/gpu_spec.sh tp1            # ~4 min: one H200, CUDA graphs
+#   bash benchmarks/gpu_spec.sh tp2            # ~5 min: two H200s, NCCL, through fxcoalesce
+#
+# prep   installs the checkout and every wheel in carry/ (gguf) into $SITE (/tmp/site), and
+#        copies carry/*.gguf.part-* to /tmp/fxc-gguf/; once all parts are there (split -b
+#        49181216: part-aa, part-ab) it joins them into the GGUF and checks its sha256
+# train  writes $OUT/head/ (config.json, index, safetensors shards <= 15 MiB, train_log.json)
+#        as it goes (a checkpoint every minute) and copies it to /tmp/fxc-head
+# tp1/2  $OUT/spec_tp1.json / spec_tp2.json, rewritten after every prompt
+# The GGUF is $FXCOALESCE_SMOLLM2_GGUF, else /tmp/fxc-gguf's. The head of tp1/tp2 is $HEAD,
+# else /tmp/fxc-head (a warm machine), else heads/smollm2-135m. Each stage logs to
+# $OUT/<stage>.log. Knobs, GPU defaults: DEVICE=cuda MINUTES=5 PROMPTS=32 TOKENS=256
+#   TRAIN_ARGS="--gen-batch 512" BENCH_ARGS="" TRAIN_TIMEOUT=420 BENCH_TIMEOUT=560
+#   (the CPU dry run shrinks them: benchmarks/NOTES.md)
+set -uo pipefail
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+[ $# -ge 1 ] || { echo "usage: gpu_spec.sh prep|train|tp1|tp2 ..."; exit 2; }
+R=$PWD
+: "${OUT:?OUT must name the output directory}"
+mkdir -p "$OUT"
+DEVICE=${DEVICE:-cuda} MINUTES=${MINUTES:-5} PROMPTS=${PROMPTS:-32} TOKENS=${TOKENS:-256}
+TRAIN_ARGS=${TRAIN_ARGS:---gen-batch 512} BENCH_ARGS=${BENCH_ARGS:-}
+TRAIN_TIMEOUT=${TRAIN_TIMEOUT:-420} BENCH_TIMEOUT=${BENCH_TIMEOUT:-560}
+CARRY=${CARRY:-$R/carry} SITE=${SITE:-/tmp/site} GGUF_DIR=${GGUF_DIR:-/tmp/fxc-gguf}
+GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
+if [ -z "${HEAD:-}" ]; then
+    if [ -d /tmp/fxc-head ]; then HEAD=/tmp/fxc-head; else HEAD=$R/heads/smollm2-135m; fi
+fi
+
+run() {  # a step under its own timeout; its exit status is the pipeline's
+    local limit=$1; shift
+    echo "+ [$(date +%T)] $*"
+    timeout "$limit" "$@"
+    local rc=$?
+    echo "+ [$(date +%T)] exit $rc"
+    return $rc
+}
+
+install() {
+    shopt -s nullglob
+    run 300 python3 -m pip install -q --no-deps --no-build-isolation --upgrade --target "$SITE" \
+        "$R" "$CARRY"/*.whl || return 1
+    export PYTHONPATH=$SITE
+}
+
+gguf_env() {  # the GGUF prep assembled, unless FXCOALESCE_SMOLLM2_GGUF names one
+    if [ -z "${FXCOALESCE_SMOLLM2_GGUF:-}" ] && [ -f "$GGUF_DIR/$GGUF_NAME" ]; then
+        export FXCOALESCE_SMOLLM2_GGUF=$GGUF_DIR/$GGUF_NAME
+    fi
+}
+
+check() {  # the libraries, the GPUs, the GGUF's sha256
+    run 120 python3 -c "import torch, gguf, tokenizers, safetensors, yaml, jinja2, fxcoalesce
+print('torch', torch.__version__, 'GPUs', torch.cuda.device_count(),
+      torch.cuda.get_device_name() if torch.cuda.is_available() else 'none')
+from fxcoalesce.apps import smollm2
+print('GGUF', smollm2.gguf_path(), 'sha256 checked')"
+}
+
+stage() {
+    local stage=$1
+    case $stage in
+    prep)
+        shopt -s nullglob
+        mkdir -p "$GGUF_DIR"
+        for part in "$CARRY"/*.gguf.part-*; do cp "$part" "$GGUF_DIR/"; done
+        ls -l "$GGUF_DIR"
+        local parts=("$GGUF_DIR"/$GGUF_NAME.part-*)
+        if [ ! -f "$GGUF_DIR/$GGUF_NAME" ] && [ ${#parts[@]} -ge 2 ]; then
+            cat "${parts[@]}" > "$GGUF_DIR/$GGUF_NAME" && rm -f "${parts[@]}"
+        fi
+        install || return 1
+        gguf_env
+        if [ -n "${FXCOALESCE_SMOLLM2_GGUF:-}" ]; then
+            (cd /tmp && check)
+        else
+            echo "GGUF incomplete: ${#parts[@]} part(s) so far"
+        fi ;;
+    train)
+        gguf_env
+        install && (cd /tmp && check) || return 1
+        (cd /tmp && run "$TRAIN_TIMEOUT" python3 -m fxcoalesce.apps.cli train-draft \
+            --out "$OUT/head" --device "$DEVICE" --minutes "$MINUTES" $TRAIN_ARGS)
+        local rc=$?
+        rm -rf /tmp/fxc-head && cp -r "$OUT/head" /tmp/fxc-head
+        return $rc ;;
+    tp1|tp2)
+        gguf_env
+        install && (cd /tmp && check) || return 1
+        (cd /tmp && run "$BENCH_TIMEOUT" python3 "$R/benchmarks/spec_bench.py" --draft "$HEAD" \
+            --tp "${stage#tp}" --device "$DEVICE" --prompts "$PROMPTS" --tokens "$TOKENS" \
+            $BENCH_ARGS --out "$OUT/spec_$stage.json") ;;
+    *) echo "unknown stage $stage (prep, train, tp1, tp2)"; return 2 ;;
+    esac
+}
+
+rc=0
+for s in "$@"; do
+    stage "$s" 2>&1 | tee "$OUT/$s.log"
+    rc=${PIPESTATUS[0]}
+    [ "$rc" -eq 0 ] || break
+done
+exit "$rc"

@@ -1,0 +1,82 @@
+"""``fxcoalesce demo --model smollm2-135m``: a real answer to ``--prompt``, decoded with a
+trained EAGLE-3 head, against the target's own greedy decoding compiled the same way.
+
+Both steps go through the fxcoalesce backend (CUDA graphs on GPUs); at TP > 1 the ranks are
+spawned processes (NCCL with a GPU each, else gloo). The parent fetches the weights and
+checks the prompt and the head before any rank starts.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from . import smollm2
+from .draft_head import check_compatible, read_config
+from .launch import default_backend, spawn
+from .specdecode import SpecOptions, spec_worker, summarize
+
+DEFAULT_HEAD = Path(__file__).resolve().parents[2] / "heads" / smollm2.NAME
+"""The head committed with the repository (found from an editable install)."""
+DEFAULT_TOKENS = 256
+
+
+def head_path(given: str | None) -> Path:
+    """``--draft``, else the repository's head; ValueError naming what to do when neither."""
+    path = Path(given) if given else DEFAULT_HEAD
+    if not path.is_dir():
+        raise ValueError(f"--draft {path}: no such directory" if given else
+                         f"no draft head at {DEFAULT_HEAD}: pass --draft DIR (fxcoalesce "
+                         f"train-draft --target {smollm2.NAME} --out DIR trains one)")
+    return path
+
+
+def run_smollm2_demo(args) -> int:
+    from fxcoalesce.models import llama
+
+    t0 = time.perf_counter()
+    target_args = llama.CONFIGS[smollm2.NAME]
+    draft = head_path(args.draft)
+    check_compatible(read_config(draft), draft, smollm2.NAME, target_args)
+    gguf = smollm2.gguf_path()
+    tok = smollm2.ChatTokenizer(smollm2.read_gguf(gguf))
+    ids = tok.encode_chat(args.prompt)
+    tokens = args.tokens or DEFAULT_TOKENS
+    cuda = args.device == "cuda"
+    opt = SpecOptions(gguf=str(gguf), draft=str(draft), prompts=(tuple(ids),), tokens=tokens,
+                      device=args.device, codegen=args.codegen or ("inductor" if cuda else "eager"),
+                      mode="reduce-overhead" if cuda else None, warmup_tokens=16)
+    need = len(ids) + tokens + opt.total_tokens
+    if need > target_args.max_seq_len:
+        raise ValueError(f"the prompt is {len(ids)} tokens (chat template included); with "
+                         f"--tokens {tokens} and a tree of {opt.total_tokens} it needs {need} "
+                         f"positions, past {smollm2.NAME}'s context of {target_args.max_seq_len}")
+    print(f"speculative decoding: {smollm2.NAME}, TP={args.tp}, head {draft}, up to {tokens} "
+          f"new tokens, tree of {opt.total_tokens} (depth {opt.depth}, top-k {opt.top_k}), "
+          f"codegen {opt.codegen}{', CUDA graphs' if cuda else ''}; compiling both steps ...",
+          file=sys.stderr, flush=True)
+    if args.tp == 1:
+        ranks = [spec_worker(0, 1, opt)]
+    else:
+        ranks = spawn(spec_worker, args.tp, (opt,),
+                      backend=args.backend or default_backend(args.device, args.tp))
+    s = summarize(ranks[0], ranks)
+    r = ranks[0]["results"][0]
+    stopped = r["tokens"][-1] == tok.eos_id
+    print(f"\n{args.prompt}\n\n{tok.decode(r['tokens']).strip()}\n")
+    a = s["all_reduce_per_call"].get("spec")
+    print(f"{smollm2.NAME}, TP={args.tp} ({s['backend']}), {s['device']}")
+    if a and args.tp > 1:
+        print(f"  all_reduce per speculative step  : {a['before']} -> {a['after']} (lower bound "
+              f"{a['lower_bound']}: sequential blocks, one chain)")
+    print(f"  new tokens                       : {r['spec_tokens']}"
+          f"{' (stopped at EOS)' if stopped else ''}")
+    print(f"  mean accepted length             : {s['mean_accepted']:.2f} tokens per verify")
+    print(f"  tokens per second                : {s['tokens_per_s']['speculative']:.1f} "
+          f"speculative, {s['tokens_per_s']['target_greedy']:.1f} target-only greedy "
+          f"({s['speedup_vs_target_greedy']:.2f}x; prefill included, after compilation)")
+    print(f"  tokens equal target greedy       : {r['same_tokens']}")
+    print(f"  ranks agree                      : {s['ranks_agree']}")
+    print(f"  wall time                        : {time.perf_counter() - t0:.0f} s")
+    return 0

@@ -1,0 +1,179 @@
+"""SmolLM2-135M with a trained EAGLE-3 head: speculative decoding against the target's own
+greedy decoding, both compiled the same way, on one rank or tensor-parallel ranks.
+
+Each rank builds the target from the GGUF and the draft head (the draft's embedding is the
+target's full one, taken before ``apply_tp`` shards it), allocates both KV caches once and
+compiles two steps through the fxcoalesce backend with the same settings:
+
+    decode  = compile(eagle3_static.decode_step)   target-only greedy, one token per call
+    spec    = compile(eagle3_static.spec_step)     draft tree + verify + accept + KV commit
+
+``mode="reduce-overhead"`` makes each a CUDA graph on GPUs. A warm-up prompt compiles and
+records them; every prompt is then decoded both ways, timed end to end (prefill included),
+and the two token sequences are compared.
+
+The backend leaves Inductor's own comm-reordering passes off: ``sink_waits`` moved the wait
+of the speculative step's last all_reduce past a fused kernel that reads its result (wrong
+tokens at TP 2; benchmarks/NOTES.md). A sequential model has nothing to overlap anyway.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from fxcoalesce.compiler import backend
+from fxcoalesce.config import Config
+
+from . import smollm2
+from .draft_head import load_head
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SpecOptions:
+    gguf: str
+    """The checked GGUF (the parent resolves it, so ranks never fetch)."""
+    draft: str
+    """Draft head directory (fxcoalesce train-draft --out)."""
+    prompts: tuple[tuple[int, ...], ...]
+    """Prompts as token ids (chat template applied)."""
+    tokens: int = 256
+    """Most new tokens per prompt (EOS stops earlier)."""
+    device: str = "cpu"
+    top_k: int = 8
+    depth: int = 6
+    total_tokens: int = 64
+    codegen: str = "inductor"
+    """fxcoalesce Config.codegen for both steps ("eager" compiles in seconds on CPU)."""
+    mode: str | None = None
+    """torch.compile mode for both steps ("reduce-overhead": CUDA graphs)."""
+    warmup_tokens: int = 48
+    """New tokens of the untimed warm-up run on the first prompt (compiles, records graphs)."""
+    progress: str | None = None
+    """Rank 0 rewrites this JSON file with the summary so far after every prompt."""
+
+
+def cache_len(opt: SpecOptions) -> int:
+    """Target KV cache slots: the longest prompt, the new tokens, one step's tree, rounded up
+    to 64 (aligned attention masks)."""
+    need = max(map(len, opt.prompts)) + max(opt.tokens, opt.warmup_tokens) + opt.total_tokens
+    return -(-need // 64) * 64
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def spec_worker(rank: int, world: int, opt: SpecOptions) -> dict:
+    """One rank: decode every prompt target-only and speculatively; per-prompt results."""
+    from fxcoalesce.models import eagle3_static as es
+    from fxcoalesce.models import llama
+
+    cuda = opt.device == "cuda"
+    dev = torch.device(f"cuda:{rank}" if cuda else "cpu")
+    if cuda:
+        torch.cuda.set_device(dev)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    group = dist.group.WORLD if world > 1 else None
+    dtype = torch.bfloat16 if cuda else torch.float32
+    target, tok = smollm2.load_target(device=dev, dtype=dtype, path=opt.gguf)
+    draft, head_config = load_head(opt.draft, target_name=smollm2.NAME, target_args=target.args,
+                                   embed_weight=target.embed.weight.detach().clone(), device=dev,
+                                   dtype=dtype)
+    llama.apply_tp(target, group)
+    spec = es.TreeSpec(top_k=opt.top_k, depth=opt.depth, total_tokens=opt.total_tokens)
+    T = cache_len(opt)
+    target.setup_cache(1, T)
+    draft.setup_cache(T + spec.draft_slots())
+    reports: dict[str, list] = {"decode": [], "spec": []}  # one per compiled graph
+    settings = dict(mode=opt.mode) if opt.mode else {}
+
+    def compiled(fn, label: str):
+        be = backend(Config(codegen=opt.codegen), **settings,
+                     on_graph=lambda before, after, report: reports[label].append(report))
+        return torch.compile(fn, backend=be, fullgraph=True)
+
+    decode, step = compiled(es.decode_step, "decode"), compiled(es.spec_step, "spec")
+    stop = (tok.eos_id,)
+
+    def run_both(ids: tuple[int, ...], tokens: int) -> dict:
+        prompt = torch.tensor(ids, device=dev)
+        if group is not None:
+            dist.barrier()
+        _sync(dev)
+        t0 = time.perf_counter()
+        greedy = es.greedy_generate_static(target, prompt, tokens, step_fn=decode,
+                                           stop_tokens=stop)
+        _sync(dev)
+        t1 = time.perf_counter()
+        spec_out, stats = es.speculative_generate_static(target, draft, prompt, tokens,
+                                                         spec=spec, step_fn=step,
+                                                         stop_tokens=stop)
+        _sync(dev)
+        t2 = time.perf_counter()
+        return {"prompt_tokens": len(ids), "greedy_tokens": len(greedy),
+                "spec_tokens": len(spec_out), "greedy_s": t1 - t0, "spec_s": t2 - t1,
+                "accepted": stats.accepted, "same_tokens": greedy == spec_out,
+                "tokens": spec_out, "greedy": greedy}
+
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        run_both(opt.prompts[0], opt.warmup_tokens)  # compile, record the graphs
+    record = {"rank": rank, "world": world, "device": str(dev),
+              "device_name": torch.cuda.get_device_name(dev) if cuda else "cpu",
+              "backend": dist.get_backend() if group else "none",
+              "warmup_s": time.perf_counter() - t0,
+              "graphs": {k: len(v) for k, v in reports.items()},
+              "all_reduce": {k: v[0].all_reduce for k, v in reports.items() if v},
+              "head": head_config.get("training", {}),
+              "tree": {"top_k": opt.top_k, "depth": opt.depth, "total_tokens": opt.total_tokens},
+              "settings": {k: v for k, v in asdict(opt).items() if k not in ("prompts", "gguf")},
+              "torch": torch.__version__, "results": []}
+    for i, ids in enumerate(opt.prompts):
+        with torch.no_grad():
+            r = run_both(ids, opt.tokens)
+        record["results"].append(r)
+        if rank == 0:
+            print(f"  prompt {i + 1}/{len(opt.prompts)}: greedy {r['greedy_tokens']} tokens in "
+                  f"{r['greedy_s']:.3f} s, speculative {r['spec_tokens']} in {r['spec_s']:.3f} s "
+                  f"({len(r['accepted'])} steps), same tokens: {r['same_tokens']}", flush=True)
+            if opt.progress:
+                Path(opt.progress).write_text(json.dumps(summarize(record, [record]), indent=1))
+    record["graphs"] = {k: len(v) for k, v in reports.items()}  # a recompile would show here
+    return record
+
+
+def summarize(rank0: dict, ranks: list[dict]) -> dict:
+    """The benchmark record: mean accepted length, end-to-end tokens/s of both decodings."""
+    res = rank0["results"]
+    accepted = [a for r in res for a in r["accepted"]]
+    greedy_tps = sum(r["greedy_tokens"] for r in res) / sum(r["greedy_s"] for r in res)
+    spec_tps = sum(r["spec_tokens"] for r in res) / sum(r["spec_s"] for r in res)
+    return {
+        "model": smollm2.NAME, "device": rank0["device_name"], "tp": rank0["world"],
+        "backend": rank0["backend"], "torch": rank0["torch"],
+        "mean_accepted": round(sum(accepted) / max(len(accepted), 1), 3),
+        "tokens_per_s": {"target_greedy": round(greedy_tps, 1), "speculative": round(spec_tps, 1)},
+        "speedup_vs_target_greedy": round(spec_tps / greedy_tps, 3),
+        "tree": rank0["tree"], "prompts": len(res),
+        "new_tokens": {"target_greedy": sum(r["greedy_tokens"] for r in res),
+                       "speculative": sum(r["spec_tokens"] for r in res)},
+        "same_tokens_as_greedy": sum(r["same_tokens"] for r in res),
+        "ranks_agree": all([x["tokens"] for x in r["results"]] == [x["tokens"] for x in res]
+                           for r in ranks),
+        "all_reduce_per_call": rank0["all_reduce"], "graphs_compiled": rank0["graphs"],
+        "warmup_s": round(rank0["warmup_s"], 1),
+        "settings": rank0["settings"], "head_training": rank0["head"],
+        "per_prompt": [{"prompt_tokens": r["prompt_tokens"], "greedy_tokens": r["greedy_tokens"],
+                        "spec_tokens": r["spec_tokens"], "greedy_s": round(r["greedy_s"], 4),
+                        "spec_s": round(r["spec_s"], 4), "steps": len(r["accepted"]),
+                        "same_tokens": r["same_tokens"]} for r in res],
+    }

