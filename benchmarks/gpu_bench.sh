@@ -56,7 +56,12 @@ bench() {
     local dir=$WORK/$run t0 rc
     t0=$(date +%s)
     echo "=== $run: fxcoalesce bench $* (limit ${limit}s, ${l}s left)"
-    timeout -k 10 "$limit" "$PY" -m fxcoalesce.apps.cli bench "$@" --out "$dir"
+    local mode profile=""
+    mode=$(echo " $* " | sed -n 's/.* --nccl-mode \([a-z0-9-]*\) .*/\1/p')
+    [ -n "$mode" ] && [ -f "$OUT/calibrate_${mode//-/}.json" ] && profile=$OUT/calibrate_${mode//-/}.json
+    [ -n "$profile" ] && echo "    cost model: $profile"
+    FXCOALESCE_PROFILE=$profile timeout -k 10 "$limit" "$PY" -m fxcoalesce.apps.cli bench "$@" \
+        --out "$dir"
     rc=$?
     echo "=== $run: exit $rc after $(($(date +%s) - t0))s$([ $rc = 124 ] && echo ' (timed out)')"
     if [ -f "$dir/bench.json" ]; then
@@ -140,6 +145,12 @@ if torch.cuda.is_available(): print("nccl", torch.cuda.nccl.version())' || retur
         local falcon=(--model falcon-40b --layers 4 --step verify)
         local kimi=(--model kimi-k2 --layers 3 --step verify)
         local main=eager,inductor,hand-merged,fxcoalesce
+        # 0: the cost model's all_reduce profile in both NCCL modes, first: each bench run
+        # below predicts its gain from the profile of its mode
+        calibrate calibrate_p2poff 40 90 --tp 2 --backend nccl --device cuda \
+            --nccl-mode p2p-off --max-bytes 32M --budget 0.5
+        calibrate calibrate_nvlink 40 90 --tp 2 --backend nccl --device cuda \
+            --nccl-mode nvlink --max-bytes 32M --budget 0.5
         # 1-2: the issue's named figures (p2p-off, CUDA graphs, 16 tokens)
         bench falcon_p2poff_cg_t16 90 220 "${g[@]}" "${falcon[@]}" --tokens 16 --cudagraphs \
             --nccl-mode p2p-off --variants $main
@@ -174,11 +185,6 @@ if torch.cuda.is_available(): print("nccl", torch.cuda.nccl.version())' || retur
             --nccl-mode p2p-off
         bench kimitiny_p2poff 60 150 "${g[@]}" --model kimi-k2-tiny --step verify \
             --tokens 3,16,64 --nccl-mode p2p-off
-        # 15-16: the cost model's all_reduce profile in both NCCL modes
-        calibrate calibrate_p2poff 60 120 --tp 2 --backend nccl --device cuda \
-            --nccl-mode p2p-off --max-bytes 32M
-        calibrate calibrate_nvlink 60 120 --tp 2 --backend nccl --device cuda \
-            --nccl-mode nvlink --max-bytes 32M
     fi
     echo
     echo "=== all results ($(($(date +%s) - START))s of ${BUDGET}s)"
