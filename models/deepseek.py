@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .capture import capture_layers, check_capture_layers
 from .rope import rope_angles, rope_interleaved
 from .tp import (
     Group,
@@ -111,24 +112,12 @@ class MoEArgs:
         if self.n_activated_experts > self.n_limited_groups * per_group:
             raise ValueError(f"n_activated_experts ({self.n_activated_experts}) exceeds the "
                              f"{self.n_limited_groups * per_group} experts in the allowed groups")
-        if self.n_layers < 3:
-            raise ValueError(f"n_layers ({self.n_layers}) must be >= 3: forward() returns the "
-                             f"inputs of 3 distinct layers for the EAGLE-3 draft")
-        layers = self.capture_layers
-        distinct = len(set(layers)) == len(layers) == 3
-        if not distinct or not all(0 <= i < self.n_layers for i in layers):
-            raise ValueError(f"eagle_layers {layers} must be 3 distinct layer indices in "
-                             f"[0, {self.n_layers}); pass eagle_layers=None for the default")
+        check_capture_layers(self.n_layers, self.eagle_layers)
 
     @property
     def capture_layers(self) -> tuple[int, ...]:
         """The layers whose input hidden states are captured, in concatenation order."""
-        if self.eagle_layers is not None:
-            return tuple(self.eagle_layers)
-        L = self.n_layers
-        # (2, L // 2, L - 3) repeats a layer below 7 layers: a draft fed the same state twice
-        # loses a third of its input, so shallow models take the first, middle and last layer
-        return (2, L // 2, L - 3) if L >= 7 else (0, L // 2, L - 1)
+        return capture_layers(self.n_layers, self.eagle_layers)
 
 
 _FULL = dict(dim=7168, inter_dim=18432, moe_inter_dim=2048, n_layers=61, n_shared_experts=1,

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .capture import capture_layers, check_capture_layers
 from .deepseek import init_weights_
 from .rope import rope_angles, rope_interleaved
 from .tp import (Group, VocabParallelEmbedding, all_gather_last_dim, all_reduce,
@@ -65,14 +66,7 @@ class LlamaArgs:
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_kv_heads ({self.n_kv_heads}) must divide n_heads "
                              f"({self.n_heads})")
-        if self.n_layers < 3:
-            raise ValueError(f"n_layers ({self.n_layers}) must be >= 3: forward() returns the "
-                             "inputs of 3 distinct layers for the EAGLE-3 draft")
-        layers = self.capture_layers
-        if len(set(layers)) != 3 or len(layers) != 3 or not all(
-                0 <= i < self.n_layers for i in layers):
-            raise ValueError(f"eagle_layers {layers} must be 3 distinct layer indices in "
-                             f"[0, {self.n_layers})")
+        check_capture_layers(self.n_layers, self.eagle_layers)
 
     @property
     def head_dim(self) -> int:
@@ -81,10 +75,7 @@ class LlamaArgs:
     @property
     def capture_layers(self) -> tuple[int, ...]:
         """The layers whose input hidden states are captured, in concatenation order."""
-        if self.eagle_layers is not None:
-            return tuple(self.eagle_layers)
-        L = self.n_layers
-        return (2, L // 2, L - 3) if L >= 7 else (0, L // 2, L - 1)
+        return capture_layers(self.n_layers, self.eagle_layers)
 
 
 CONFIGS: dict[str, LlamaArgs] = {

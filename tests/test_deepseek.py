@@ -23,13 +23,7 @@ ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
 ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny ops run far faster on one thread, and do not fight other jobs for the 2 cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 @contextlib.contextmanager

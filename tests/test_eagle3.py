@@ -19,13 +19,7 @@ SMALL_VOCAB = replace(ds.CONFIGS["kimi-k2-tiny"], vocab=32)
 PROMPT = torch.tensor([1, 5, 7, 3, 2, 9, 4])
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny ops run far faster on one thread, and do not fight other jobs for the 2 cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def hand_tree() -> e3.Tree:

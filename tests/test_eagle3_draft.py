@@ -24,13 +24,7 @@ MARGIN = 1e-5  # every top-k and keep decision of the oracle is at least this cl
 HINT = 12.0
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny ops run far faster on one thread, and do not fight other jobs for the 2 cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 class HintedDraft(e3.Eagle3Draft):

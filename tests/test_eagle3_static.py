@@ -15,12 +15,7 @@ from fxcoalesce.models import eagle3_static as es
 SPEC = es.TreeSpec(top_k=TOP_K, depth=DEPTH, total_tokens=TOTAL)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def assert_same_tree(got: e3.Tree, want: e3.Tree) -> None:

@@ -25,13 +25,7 @@ PROMPTS = ["Explain photosynthesis in one sentence.",
 LOGIT_ATOL = 1e-3
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One thread: far faster than two on the shared 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 @pytest.fixture(scope="module")

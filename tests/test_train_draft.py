@@ -14,12 +14,7 @@ from fxcoalesce.models import llama
 from fxcoalesce.models.eagle3_train import ttt_mask, unrolled_forward
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def test_ttt_mask():
