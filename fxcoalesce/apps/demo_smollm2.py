@@ -8,6 +8,7 @@ checks the prompt and the head before any rank starts.
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -79,4 +80,32 @@ def run_smollm2_demo(args) -> int:
     print(f"  tokens equal target greedy       : {r['same_tokens']}")
     print(f"  ranks agree                      : {s['ranks_agree']}")
     print(f"  wall time                        : {time.perf_counter() - t0:.0f} s")
+    if getattr(args, "out", None):
+        text = tok.decode(r["tokens"]).strip()
+        print(f"wrote {write_demo_json(s, r, args, opt, text, stopped)}")
     return 0
+
+
+def write_demo_json(s: dict, r: dict, args, opt: SpecOptions, text: str, stopped: bool) -> Path:
+    """``DIR/demo.json`` with what the demo prints. No ``verify_ms``: this demo sets
+    speculative decoding against greedy decoding, not the verify step with and without the
+    pass (a sequential model is at its bound: nothing to rewrite)."""
+    import torch
+
+    spec = s["all_reduce_per_call"].get("spec") or {}
+    data = {
+        "model": smollm2.NAME, "tp": args.tp, "backend": s["backend"], "device": s["device"],
+        "codegen": opt.codegen, "mode": opt.mode, "prompt": args.prompt, "head": opt.draft,
+        "tree": {"top_k": opt.top_k, "depth": opt.depth, "total_tokens": opt.total_tokens},
+        "all_reduce": {k: spec.get(k, 0) for k in ("before", "after", "lower_bound")},
+        "new_tokens": r["spec_tokens"], "stopped_at_eos": stopped,
+        "mean_accepted": s["mean_accepted"], "tokens_per_s": s["tokens_per_s"],
+        "speedup_vs_target_greedy": s["speedup_vs_target_greedy"],
+        "tokens_equal_target_greedy": r["same_tokens"], "ranks_agree": s["ranks_agree"],
+        "torch": torch.__version__, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "command": getattr(args, "command_line", ""), "text": text,
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "demo.json").write_text(json.dumps(data, indent=2) + "\n")
+    return out / "demo.json"
