@@ -279,7 +279,10 @@ def _bench_tokens(r: _Rank, tokens: int) -> dict:
           f"round, alternating order ...")
     times = {name: [] for name in calls}
     names = list(calls)
-    for round_ in range(before + opt.steps):
+    start, total = time.perf_counter(), before + opt.steps
+    for round_ in range(total):
+        if round_ and round_ % max(total // 4, 1) == 0:  # where a slow or stuck run is
+            r.say(f"    round {round_}/{total}, {time.perf_counter() - start:.1f} s")
         for name in names if round_ % 2 == 0 else names[::-1]:
             dist.barrier()
             out, us = timed(lambda: r.call(calls[name], args), r.dev)
