@@ -270,9 +270,12 @@ def _bench_tokens(r: _Rank, tokens: int) -> dict:
     calls, facts, skipped = _compile_all(r, fns, args, tokens)
     itemsize = opt.dtype.itemsize
 
+    r.say("  counting collectives (profiler) ...")
+    start = time.perf_counter()
     for name, call in calls.items():  # not captured: CUDA-graph replays issue no ops
         with torch._inductor.config.patch({"triton.force_cudagraphs_warmup": True}):
             facts[name].update(count_collectives(lambda: r.call(call, args), itemsize))
+    r.say(f"    done in {time.perf_counter() - start:.1f} s")
     graphs = _graphs_made()
     before = r.opt.rounds_before_timing
     r.say(f"  timing: {before} warm-up + {opt.steps} timed rounds, each variant once per "
@@ -290,6 +293,7 @@ def _bench_tokens(r: _Rank, tokens: int) -> dict:
                 times[name].append(us)
             if round_ == before + opt.steps - 1:
                 facts[name]["max_abs_err"] = float((out.float() - reference).abs().max())
+    r.say(f"    timed in {time.perf_counter() - start:.1f} s")
     for name in calls:
         f = facts[name]
         f["times_us"] = times[name]
