@@ -2,14 +2,18 @@
 # EAGLE-3 on SmolLM2-135M on the GPU machine: train a draft head, then measure it. One or two
 # stages per device call, each call under the 10-minute limit; run from the repository root.
 #
-#   bash benchmarks/gpu_spec.sh prep           # ~1 min: install, gather the GGUF parts
-#   bash benchmarks/gpu_spec.sh prep train     # ~8 min: the second part, then train
+#   bash benchmarks/gpu_spec.sh prep           # ~1 min: install, gather a GGUF part (one
+#                                              #   call per part, back to back: warm machine)
+#   bash benchmarks/gpu_spec.sh prep train     # ~8 min: the last part, then train (the
+#                                              #   committed heads/smollm2-135m makes it optional)
 #   bash benchmarks/gpu_spec.sh tp1            # ~4 min: one H200, CUDA graphs
 #   bash benchmarks/gpu_spec.sh tp2            # ~5 min: two H200s, NCCL, through fxcoalesce
 #
 # prep   installs the checkout and every wheel in carry/ (gguf) into $SITE (/tmp/site), and
-#        copies carry/*.gguf.part-* to /tmp/fxc-gguf/; once all parts are there (split -b
-#        49181216: part-aa, part-ab) it joins them into the GGUF and checks its sha256
+#        copies carry/*.gguf.part-* to /tmp/fxc-gguf/; once the parts add up to the GGUF's
+#        98362432 bytes it joins them (in name order) and checks the sha256. A call carries
+#        at most 64 MiB with the checkout (heads/ is 21 MB of it): split in three, e.g.
+#        `split -b 32787478 SmolLM2-135M-Instruct.Q4_1.gguf SmolLM2-135M-Instruct.Q4_1.gguf.part-`
 # train  writes $OUT/head/ (config.json, index, safetensors shards <= 15 MiB, train_log.json)
 #        as it goes (a checkpoint every minute) and copies it to /tmp/fxc-head
 # tp1/2  $OUT/spec_tp1.json / spec_tp2.json, rewritten after every prompt
@@ -72,7 +76,9 @@ stage() {
         for part in "$CARRY"/*.gguf.part-*; do cp "$part" "$GGUF_DIR/"; done
         ls -l "$GGUF_DIR"
         local parts=("$GGUF_DIR"/$GGUF_NAME.part-*)
-        if [ ! -f "$GGUF_DIR/$GGUF_NAME" ] && [ ${#parts[@]} -ge 2 ]; then
+        local have=0 p
+        for p in "${parts[@]}"; do have=$((have + $(stat -c %s "$p"))); done
+        if [ ! -f "$GGUF_DIR/$GGUF_NAME" ] && [ "$have" -eq 98362432 ]; then
             cat "${parts[@]}" > "$GGUF_DIR/$GGUF_NAME" && rm -f "${parts[@]}"
         fi
         install || return 1
@@ -80,7 +86,7 @@ stage() {
         if [ -n "${FXCOALESCE_SMOLLM2_GGUF:-}" ]; then
             (cd /tmp && check)
         else
-            echo "GGUF incomplete: ${#parts[@]} part(s) so far"
+            echo "GGUF incomplete: ${#parts[@]} part(s), $have of 98362432 bytes so far"
         fi ;;
     train)
         gguf_env
