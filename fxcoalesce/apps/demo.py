@@ -153,7 +153,8 @@ def run_demo(args) -> int:
     print(f"  tokens equal target greedy     : {all(x['matches_greedy'] for x in res)}")
     print(f"  ranks agree                    : {all(x['tokens'] == r['tokens'] for x in res)}")
     print(f"  mean accepted length           : {r['mean_accepted']:.2f} tokens per verify "
-          "(random weights: the draft rarely agrees with the target)")
+          "(random weights: the draft rarely agrees with the target; `fxcoalesce demo "
+          "--model smollm2-135m` runs a pretrained target with a trained head)")
     print(f"  tokens per second              : {r['tokens_per_s']:.1f} (with the pass, after "
           "compilation; draft and acceptance included)")
     print(f"  compile time (first calls)     : {r['compile_s']['without pass']:.1f} s "
