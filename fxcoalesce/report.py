@@ -55,15 +55,28 @@ class Report:
                 f"{a['bytes_after']} bytes, {len(self.buckets)} bucket(s); {self.verdict}")
 
 
+def bound_analysis(before: Analysis, after: Analysis) -> Analysis:
+    """The analysis whose bound the report gives: ``before``'s, unless all_reduces it had to
+    leave alone (an in-place all_reduce of a view, a fence for everything after it) became
+    analysable after the passes (the slice pass reduces the view itself) and the rewritten
+    graph's bound, left-alone ones included, is lower: then ``before``'s fence was only
+    conservative, and ``after``'s is the truer bound."""
+    if before.scan.skipped and (after.lower_bound + len(after.scan.skipped)
+                                < before.lower_bound + len(before.scan.skipped)):
+        return after
+    return before
+
+
 def verdict(before: Analysis, after: Analysis) -> str:
     """One sentence: where the graph stands against its bound, and what was left alone."""
     if before.all_reduce_count == 0:
         return "no all_reduce in this graph"
     parts = []
-    bound = before.lower_bound
+    b = bound_analysis(before, after)
+    bound = b.lower_bound
     if before.analysed_count == 0:
         parts.append("nothing analysed")
-    elif before.analysed_count == bound:
+    elif b is before and before.analysed_count == bound:
         parts.append("already at its bound: the all_reduces form dependency chains, and no "
                      "exact rewrite can merge links of a chain")
     elif after.analysed_count <= bound:
@@ -71,9 +84,9 @@ def verdict(before: Analysis, after: Analysis) -> str:
     else:
         parts.append(f"{after.analysed_count - bound} launch(es) above the bound "
                      "(bucket cap or interlocked keys; see warnings)")
-    if before.scan.skipped:
-        reasons = sorted({why for _, why in before.scan.skipped})
-        parts.append(f"{len(before.scan.skipped)} all_reduce(s) left alone and not in the "
+    if b.scan.skipped:
+        reasons = sorted({why for _, why in b.scan.skipped})
+        parts.append(f"{len(b.scan.skipped)} all_reduce(s) left alone and not in the "
                      f"bound ({'; '.join(reasons)})")
     return "; ".join(parts)
 
@@ -86,17 +99,18 @@ def build_report(graph: str, before: Analysis, after: Analysis, *, cost: CostMod
     warn = [f"{n.name}: left alone: {why}" for n, why in before.scan.skipped]
     warn += [f"{n.name}: left alone: {why}" for n, why in before.scan.unknown]
     bytes_of = lambda a: sum(i.block.nbytes for i in a.infos)  # noqa: E731
+    bound = bound_analysis(before, after)
     return Report(
         graph=graph, world_size=world,
         all_reduce={"before": before.all_reduce_count, "after": after.all_reduce_count,
-                    "lower_bound": before.lower_bound,
-                    "left_alone": len(before.scan.skipped),
+                    "lower_bound": bound.lower_bound,
+                    "left_alone": len(bound.scan.skipped),
                     "bytes_before": bytes_of(before), "bytes_after": bytes_of(after)},
         predicted_comm_us={"before": predict(before, cost, world or 2),
                            "after": predict(after, cost, world or 2),
                            "world_size_assumed": world or 2,
                            "model": cost.profile.source if cost.profile else "default"},
-        chains={str(k): v for k, v in before.chains.items()},
+        chains={str(k): v for k, v in bound.chains.items()},
         buckets=buckets, decisions=decisions,
         windows=[{"node": i.block.collective.name, "level": i.level, "ready": i.ready,
                   "need": i.need, "slack": i.slack, "bytes": i.block.nbytes,
