@@ -373,10 +373,11 @@ SETTINGS = dict(deadline=None, suppress_health_check=list(HealthCheck),
                 phases=[p for p in Phase if p is not Phase.explain])
 
 
-@settings(max_examples=150, **SETTINGS)
+@settings(max_examples=150, derandomize=True, **SETTINGS)
 @given(cases())
 def test_ranks_issue_one_sequence(case):
-    """150 examples: about 15 s."""
+    """150 examples, the same on every run (about 15 s): CI is reproducible; the slow 10k run
+    below draws new ones each time, and what it finds goes into KNOWN."""
     check_case(case)
 
 
