@@ -108,6 +108,12 @@ def backend(config: Config | None = None, *, on_graph: Callable | None = None,
             return _codegen(gm, example_inputs, rewrite, config, patches), sequences, reports
 
         compiled, sequences, reports = build(cfg)
+        if not reports:  # the rewrite was never called: some cache served the graph
+            raise RuntimeError(
+                f"fxcoalesce: {name} was compiled without the fxcoalesce passes (a compile "
+                "cache answered before they ran; TORCHINDUCTOR_FORCE_DISABLE_CACHES=0 in the "
+                "environment?). Unset it, or use fxcoalesce.inductor_pass(), which caches "
+                "safely.")
         local = any(r.local_decisions for r in reports) and has_peers(sequences)
         if not (check_ranks or local):
             return compiled
@@ -149,10 +155,12 @@ def _codegen(gm, example_inputs, rewrite, cfg: Config, patches: dict):
         return compile_fx_inner(rewrite(graph_module), inputs, **kwargs)
 
     # Inductor's caches key on its config, not on inner_compile: a hit would skip the
-    # pipeline (and its report), or serve a graph compiled without it. Keep them off here;
+    # pipeline (and its report), or serve a graph compiled without it (AOTAutograd's cache
+    # returned plain Inductor's code for the same graph). Keep them off here;
     # ``inductor_pass`` is the cache-friendly route (its uuid() joins the cache key).
-    with torch._functorch.config.patch(enable_autograd_cache=False), \
-            torch._inductor.config.patch(fx_graph_cache=False):
+    # ``force_disable_caches``, not the caches' own flags: TORCHINDUCTOR_AUTOGRAD_CACHE=1 /
+    # TORCHINDUCTOR_FX_GRAPH_CACHE=1 in the environment override a patch of those.
+    with torch.compiler.config.patch(force_disable_caches=True):
         return compile_fx(gm, example_inputs, inner_compile=inner_compile,
                           config_patches=patches or None)
 

@@ -78,3 +78,32 @@ def test_unusable_mode_or_option_is_named(kwargs, message):
 def test_eager_codegen_cannot_honour_a_mode():
     with pytest.raises(ValueError, match="codegen='eager'.*reduce-overhead"):
         fxcoalesce.backend(Config(codegen="eager"), mode="reduce-overhead")
+
+
+def test_compile_caches_forced_on_by_environment_do_not_skip_the_passes(tmp_path):
+    """TORCHINDUCTOR_AUTOGRAD_CACHE=1 overrides a config patch: AOTAutograd's cache served
+    plain Inductor's code for the same graph to the fxcoalesce backend, the passes never ran
+    (found through `gpu_bench.sh`, which sets it). Env vars are read at import: a subprocess."""
+    import os
+    import subprocess
+    import sys
+
+    script = """
+import torch, fxcoalesce
+from tests.test_compile_modes import two_independent
+from fxcoalesce.apps.launch import init_fake_group
+init_fake_group(2)
+x, w = torch.randn(8, 8), torch.randn(8, 8)
+torch.compile(two_independent, fullgraph=True)(x, w)   # plain Inductor fills the caches
+torch._dynamo.reset()
+torch.compile(two_independent, fullgraph=True, backend="fxcoalesce")(x, w)
+(report,) = fxcoalesce.reports()
+print("after", report.all_reduce["after"])
+"""
+    env = {**os.environ, "TORCHINDUCTOR_AUTOGRAD_CACHE": "1", "TORCHINDUCTOR_FX_GRAPH_CACHE": "1",
+           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", script], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "after 1" in done.stdout
