@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
+import threading
 import time
 import traceback
 from queue import Empty
@@ -59,10 +61,33 @@ def _entry(rank, world_size, port, backend, fn, args, queue, done, env):
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}",
                                 rank=rank, world_size=world_size, **extra)
         queue.put((rank, None, fn(rank, world_size, *args)))
-        dist.destroy_process_group()
     except BaseException as e:  # reported before any teardown that could block on peers
         queue.put((rank, (type(e).__name__, str(e), traceback.format_exc()), None))
+        done.wait(timeout=600)
+        return
+    _teardown(rank)
     done.wait(timeout=600)  # tensors in the result are shared memory: live until received
+    queue.close()
+    queue.join_thread()  # everything put is in the pipe before the process ends
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # the result is delivered: no interpreter teardown (CUDA graphs, NCCL) to hang
+
+
+TEARDOWN_S = 20.0
+"""How long a rank that delivered its result waits for ``destroy_process_group``."""
+
+
+def _teardown(rank: int) -> None:
+    """``destroy_process_group`` with a time limit. With NCCL and CUDA graphs still alive it
+    can block (seen on two H200s: each rank stayed until the parent killed it a minute
+    later); a rank that already delivered its result then exits without it."""
+    t = threading.Thread(target=dist.destroy_process_group, daemon=True)
+    t.start()
+    t.join(TEARDOWN_S)
+    if t.is_alive():
+        print(f"rank {rank}: destroy_process_group did not return within {TEARDOWN_S:.0f} s; "
+              "exiting without it", file=sys.stderr, flush=True)
 
 
 def _dead(procs, received, within: float = 0.0):
@@ -103,9 +128,13 @@ def _stop(procs, failed: bool) -> None:
         for p in procs:
             if p.is_alive():
                 p.terminate()
-    for p in procs:
-        p.join(timeout=5 if failed else 60)
+    end = time.monotonic() + (5 if failed else TEARDOWN_S + 10)
+    for rank, p in enumerate(procs):
+        p.join(timeout=max(0.0, end - time.monotonic()))
         if p.is_alive():
+            if not failed:
+                print(f"rank {rank} did not exit after delivering its result; killed",
+                      file=sys.stderr, flush=True)
             p.kill()
             p.join()
 
