@@ -30,6 +30,7 @@ def refused(capsys, argv: list[str]) -> str:
      "inductor-bucketing, hand-merged, fxcoalesce"),
     (["--tokens", "3,0"], "--tokens must be at least 1, not 0"),
     (["--cudagraphs"], "--cudagraphs needs --device cuda (CUDA graphs capture GPU work)"),
+    (["--trace"], "--trace needs --out DIR (the traces are written there)"),
     (["--nccl-mode", "p2p-off"], "--nccl-mode p2p-off needs --backend nccl (it chooses how "
      "NCCL moves data)"),
     (["--model", "kimi-k2", "--step", "verify", "--layers", "2"], "--layers 2: kimi-k2: "
@@ -208,3 +209,36 @@ def test_two_gloo_ranks(tmp_path, capsys):
     assert fxc["max_abs_err"] < 1e-5 and eager["max_abs_err"] == 0
     assert eager["p10_ms"] <= eager["median_ms"] <= eager["p90_ms"]
     assert len(fxc["steps_ms"]) == 2 and rec["notes"] == []
+
+
+def _trace_one_rank(rank, world, out):
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    class R:  # what trace_variant reads of a bench rank
+        dev = torch.device("cpu")
+        opt = bench.BenchOptions(trace_dir=out)
+
+    R.rank = rank
+    x = torch.randn(64, 64)
+
+    def step():
+        y = funcol.all_reduce(x @ x, "sum", dist.group.WORLD)
+        return torch.relu(y) + 1
+
+    return bench.trace_variant(R, step, "trace_step_t3.json")
+
+
+def test_trace_variant_writes_rank_0s_trace_and_summarises_it(tmp_path):
+    from fxcoalesce.apps.launch import spawn
+
+    facts, other = spawn(_trace_one_rank, 2, (str(tmp_path),), backend="gloo")
+    assert other == {}  # only rank 0 writes and summarises
+    assert facts["file"] == "trace_step_t3.json" and (tmp_path / facts["file"]).is_file()
+    assert facts["calls"] == bench.TRACE_CALLS and facts["source"] == "CPU ops"
+    assert facts["compute_spans"] >= 2  # matmul, relu/add per call
+    assert 0 < facts["exposed_us"] <= facts["collective_us"]
+    rec = record()
+    rec["variants"]["fxcoalesce"]["trace"] = facts
+    assert "fxcoalesce, profiler trace (CPU ops, trace_step_t3.json): collectives" in \
+        bench_report.text_table(rec)

@@ -19,7 +19,14 @@ and inputs, one token count at a time:
    after a barrier, in the variants' order on even rounds and reversed on odd ones, so no
    variant always runs first or right after another. A step's time is the slowest rank's
    (``timing.timed``: CUDA events on GPU); the error is the largest absolute difference of
-   the last timed output from the eager reference.
+   the last timed output from the eager reference. With ``calls_per_sample`` k > 1 (the
+   default on CUDA: 10) a variant's turn is k calls back to back, timed together and
+   divided by k: a barrier before every single step adds the ranks' start skew, which the
+   step's first collective waits out, to every sample (on two H200s that was ~0.35 ms of a
+   1.3 ms falcon step, and noise large enough to hide a 1% difference);
+5. with ``--trace``, each compiled variant is called a few more times under ``torch.profiler``
+   (GPU kernels on CUDA) and rank 0's chrome trace is written next to bench.json, with the
+   collectives' time per step and the part of it no compute kernel overlapped.
 
 A "verify" step of a dense model (no KV cache) is its plain forward over the tokens.
 """
@@ -69,10 +76,19 @@ class BenchOptions:
     """Which variants to run, in this order."""
     steps: int = 100
     """Timed rounds."""
+    calls_per_sample: int = 1
+    """Back-to-back calls of a variant inside one timed sample (its time is divided by it).
+    More than 1 measures a step the way a decode loop runs it: ranks in lockstep through
+    their collectives, not restarted from a barrier each step (whose skew between ranks
+    the first collective of a step otherwise waits out)."""
     warmup: int = 10
     """Untimed rounds after compilation (at least 3 with CUDA graphs: record, then replay)."""
     command: str = ""
     """The command line, recorded in the results."""
+    trace_dir: str | None = None
+    """If set, after timing: a ``torch.profiler`` chrome trace (CPU ops and, on GPU, kernels)
+    of ``TRACE_CALLS`` calls of each compiled variant, rank 0's, written here as
+    ``trace_<variant>_t<tokens>.json`` and summarised in the record."""
 
     @property
     def dtype(self) -> torch.dtype:
@@ -139,6 +155,40 @@ def count_collectives(call, itemsize: int) -> dict:
         else:
             other[op.rstrip("_")] += 1
     return {"all_reduce_launches": launches, "bytes": nbytes, "other_collectives": dict(other)}
+
+
+TRACE_CALLS = 5
+
+
+def trace_variant(r: "_Rank", call, filename: str) -> dict:
+    """``call()`` ``TRACE_CALLS`` times under ``torch.profiler`` on every rank (collectives
+    need all of them); rank 0 writes the chrome trace to ``trace_dir/filename`` and returns,
+    per call, the compute kernels (ops on CPU), the collectives' time on the device and the
+    part of it that no compute overlapped (``draw.read_chrome_trace``). Others return {}."""
+    from pathlib import Path
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from .draw import read_chrome_trace
+
+    cuda = r.dev.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    dist.barrier()
+    with _quiet_stderr(), profile(activities=activities) as prof:
+        for _ in range(TRACE_CALLS):
+            call()
+        if cuda:
+            torch.cuda.synchronize(r.dev)
+    if r.rank != 0:
+        return {}
+    path = Path(r.opt.trace_dir) / filename
+    prof.export_chrome_trace(str(path))
+    tl = read_chrome_trace(path)
+    n = TRACE_CALLS
+    return {"file": path.name, "calls": n, "source": tl.title.rpartition("(")[2].rstrip(")"),
+            "compute_spans": round(len(tl.compute) / n, 1),
+            "collective_us": round(tl.comm_us / n, 1),
+            "exposed_us": round((tl.comm_us - tl.hidden_us) / n, 1)}
 
 
 def _graphs_made() -> int:
@@ -278,8 +328,15 @@ def _bench_tokens(r: _Rank, tokens: int) -> dict:
     r.say(f"    done in {time.perf_counter() - start:.1f} s")
     graphs = _graphs_made()
     before = r.opt.rounds_before_timing
+    k = opt.calls_per_sample
     r.say(f"  timing: {before} warm-up + {opt.steps} timed rounds, each variant once per "
-          f"round, alternating order ...")
+          f"round{f' ({k} calls back to back)' if k > 1 else ''}, alternating order ...")
+
+    def sample(call):
+        out = None
+        for _ in range(k):
+            out = r.call(call, args)
+        return out
     times = {name: [] for name in calls}
     names = list(calls)
     start, total = time.perf_counter(), before + opt.steps
@@ -288,12 +345,20 @@ def _bench_tokens(r: _Rank, tokens: int) -> dict:
             r.say(f"    round {round_}/{total}, {time.perf_counter() - start:.1f} s")
         for name in names if round_ % 2 == 0 else names[::-1]:
             dist.barrier()
-            out, us = timed(lambda: r.call(calls[name], args), r.dev)
+            out, us = timed(lambda: sample(calls[name]), r.dev)
             if round_ >= before:
-                times[name].append(us)
+                times[name].append(us / k)
             if round_ == before + opt.steps - 1:
                 facts[name]["max_abs_err"] = float((out.float() - reference).abs().max())
     r.say(f"    timed in {time.perf_counter() - start:.1f} s")
+    if opt.trace_dir:
+        r.say(f"  tracing {TRACE_CALLS} calls of each compiled variant (torch.profiler) ...")
+        start = time.perf_counter()
+        for name, call in calls.items():
+            if name != "eager":
+                facts[name]["trace"] = trace_variant(r, lambda: r.call(call, args),
+                                                     f"trace_{name}_t{tokens}.json")
+        r.say(f"    done in {time.perf_counter() - start:.1f} s")
     for name in calls:
         f = facts[name]
         f["times_us"] = times[name]
@@ -324,6 +389,8 @@ def merge_ranks(per_rank: list[list[dict]], opt: BenchOptions, env: dict) -> lis
                  "steps_ms": [round(s / 1e3, 4) for s in steps]}
             if f["options"]:
                 v["inductor_options"] = f["options"]
+            if f.get("trace"):
+                v["trace"] = f["trace"]
             if f["failed_tiers"]:
                 v["failed_option_tiers"] = f["failed_tiers"]
             if f["reports"]:
@@ -348,6 +415,7 @@ def merge_ranks(per_rank: list[list[dict]], opt: BenchOptions, env: dict) -> lis
             "layers": opt.layers, "backend": opt.backend, "device": opt.device,
             "cudagraphs": opt.cudagraphs, "nccl_mode": opt.nccl_mode,
             "dtype": str(opt.dtype).removeprefix("torch."), "steps": opt.steps,
+            "calls_per_sample": opt.calls_per_sample,
             "warmup": opt.rounds_before_timing, **env, "variants": variants,
             "skipped": ranks[0]["skipped"], "notes": sorted(set(notes)),
             "gain": predicted_vs_measured(variants), "command": opt.command})

@@ -58,6 +58,11 @@ def remarks(rec: dict) -> list[str]:
         lines.append(f"fxcoalesce vs inductor: measured {g['measured_ms']:+.3f} ms a step, the "
                      f"report predicted {g['predicted_ms']:+.3f} ms ({g['error']:+.0%}; cost "
                      f"model: {g['model']})")
+    for name, v in rec["variants"].items():
+        if t := v.get("trace"):
+            lines.append(f"{name}, profiler trace ({t['source']}, {t['file']}): collectives "
+                         f"{t['collective_us']:.1f} µs a step, {t['exposed_us']:.1f} µs of it "
+                         f"under no compute; {t['compute_spans']:g} compute spans a step")
     if rec["tp"] == 1:
         lines.append("TP 1: one rank, so no all_reduce moves data and nothing can be merged; "
                      "the variants differ only in how the step is compiled")
@@ -83,8 +88,10 @@ def markdown(records: list[dict]) -> str:
         parts += ["| " + " | ".join(r) + " |" for r in rows(rec)]
         parts.append("")
         parts += [f"- {line}" for line in remarks(rec)]
-        parts.append(f"\n{rec['steps']} timed rounds after {rec['warmup']} warm-up; a step's "
-                     "time is its slowest rank's; all_reduce launches counted at run time "
+        k = rec.get("calls_per_sample", 1)
+        per = f" ({k} calls back to back per sample, divided by {k})" if k > 1 else ""
+        parts.append(f"\n{rec['steps']} timed rounds after {rec['warmup']} warm-up{per}; a "
+                     "step's time is its slowest rank's; all_reduce launches counted at run time "
                      f"(profiler); torch {rec['torch']}, {rec['date']}. "
                      f"Command: `{rec.get('command', '')}`\n")
     return "\n".join(parts)

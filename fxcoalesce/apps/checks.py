@@ -205,11 +205,15 @@ def check_bench(args) -> None:
     for tokens in args.tokens:
         _at_least(1, tokens=tokens)
     _at_least(0, warmup=args.warmup)
+    if args.calls_per_sample is not None:
+        _at_least(1, calls_per_sample=args.calls_per_sample)
     if args.layers is not None:
         _at_least(1, layers=args.layers)
     parse_variants(args.variants)
     if args.out:
         _can_make_dir(args.out, "bench", "bench.json, bench.md, bench.png")
+    if args.trace and not args.out:
+        raise ValueError("--trace needs --out DIR (the traces are written there)")
     if args.cudagraphs and args.device != "cuda":
         raise ValueError("--cudagraphs needs --device cuda (CUDA graphs capture GPU work)")
     if args.nccl_mode and _backend(args) != "nccl":

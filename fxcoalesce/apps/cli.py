@@ -145,7 +145,12 @@ def cmd_bench(args) -> int:
                        cudagraphs=args.cudagraphs,
                        nccl_mode=(args.nccl_mode or "nvlink") if be == "nccl" else None,
                        variants=parse_variants(args.variants), steps=args.steps,
-                       warmup=args.warmup, command=args.command_line)
+                       calls_per_sample=args.calls_per_sample or (
+                           10 if args.device == "cuda" else 1),
+                       warmup=args.warmup, command=args.command_line,
+                       trace_dir=args.out if args.trace else None)
+    if args.trace:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
     # a `timeout` or Ctrl-C ends this process: spawn then stops the ranks, none left behind
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     start = time.perf_counter()
@@ -180,6 +185,13 @@ def cmd_calibrate(args) -> int:
     for row in data["points"]:
         print(f"  {row['bytes']:>10} B  measured {row['measured_us']:>10.1f} µs  predicted "
               f"{row['predicted_us']:>10.1f} µs  ({row['error']:+.1%})")
+    if ov := data.get("overlap"):
+        print(f"overlap efficiency {ov['efficiency']:.2f} (the share of an all_reduce that "
+              "compute issued before its wait hides):")
+        for row in ov["points"]:
+            print(f"  {row['bytes']:>10} B  all_reduce {row['comm_us']:>8.1f} µs  "
+                  f"{row['matmuls']} matmul(s) {row['compute_us']:>8.1f} µs  both "
+                  f"{row['both_us']:>8.1f} µs  efficiency {row['efficiency']:.2f}")
     print(f"wrote {args.out}")
     return 0
 
@@ -300,11 +312,20 @@ def parser() -> argparse.ArgumentParser:
                    help="comma-separated variants to run (default: %(default)s)")
     b.add_argument("--steps", type=int, default=100,
                    help="timed rounds; each calls every variant once (default: %(default)s)")
+    b.add_argument("--calls-per-sample", type=int,
+                   help="calls of a variant timed together in one sample, divided by it: "
+                        "steps back to back as in a decode loop, without a barrier's skew "
+                        "between ranks in every sample (default: 10 on cuda, 1 on cpu)")
     b.add_argument("--warmup", type=int, default=10,
                    help="untimed rounds after compiling (at least 3 with --cudagraphs) "
                         "(default: %(default)s)")
     b.add_argument("--out", help="directory to write bench.json, bench.md and bench.png into, "
                                  "created if missing (default: write nothing)")
+    b.add_argument("--trace", action="store_true",
+                   help="after timing, profile 5 more calls of each compiled variant and write "
+                        "rank 0's chrome trace as --out/trace_<variant>_t<tokens>.json "
+                        "(`inspect --trace FILE` draws one); bench.json gets each one's "
+                        "collective time and the part no compute overlapped")
     b.set_defaults(fn=cmd_bench, check=checks.check_bench)
 
     d = sub.add_parser("demo", help="EAGLE-3 speculative decoding with the verify step "
