@@ -39,7 +39,7 @@ def predict2(analysis, cm, world):
         t = cm.all_reduce_us(info.block.nbytes, world)
         total += t
         need = need_fused(info, order, len(analysis.order))
-        hidden += min(t, prefix[need] - prefix[info.ready + 1])
+        hidden += cm.hidden_us(t, prefix[need] - prefix[info.ready + 1])
     return {"total": round(total, 1), "hidden": round(hidden, 1), "exposed": round(total - hidden, 1)}
 
 if sys.argv[1] == "fused":

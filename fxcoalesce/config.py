@@ -77,6 +77,10 @@ class CostModel:
     """Compute roofline: attainable memory bandwidth in GB/s (None: device default)."""
     kernel_us: float | None = None
     """Launch cost of one kernel in µs (None: device default)."""
+    overlap_efficiency: float = 1.0
+    """Share of a collective that compute running in its window hides: hidden =
+    efficiency · min(T, window). 1 = perfect overlap; ``calibrate`` measures it (NCCL's
+    kernels share the GPU with the compute they overlap)."""
 
     def __post_init__(self):
         compute = [v for v in (self.peak_tflops, self.memory_gbps, self.kernel_us)
@@ -88,6 +92,13 @@ class CostModel:
                                             if v is not None]
         if min(values) < 0 or min(positive) <= 0:
             raise ValueError("CostModel latencies must be >= 0 and bandwidths/peaks > 0")
+        if not (isinstance(self.overlap_efficiency, (int, float))
+                and 0.0 <= self.overlap_efficiency <= 1.0):
+            raise ValueError("CostModel.overlap_efficiency must be between 0 and 1")
+
+    def hidden_us(self, t_us: float, window_us: float) -> float:
+        """The part of a collective of ``t_us`` hidden by ``window_us`` of compute."""
+        return self.overlap_efficiency * max(0.0, min(t_us, window_us))
 
     def all_reduce_us(self, nbytes: int, world_size: int) -> float:
         """Predicted time of one all_reduce of ``nbytes`` over ``world_size`` ranks."""
@@ -141,12 +152,17 @@ def _read_profile(path: Path) -> dict:
             nccl_mode=data.get("nccl_mode"), source=str(path))
         compute = {k: float(v) for k, v in data.get("compute", {}).items()
                    if k in ("peak_tflops", "memory_gbps", "kernel_us")}
+        if "overlap" in data:
+            compute["overlap_efficiency"] = float(data["overlap"]["efficiency"])
     except (TypeError, ValueError, KeyError) as e:
         raise ProfileError(f"cost profile {path}: bad value ({e}); {hint}") from None
     numbers = [profile.alpha_us, profile.beta_us_per_byte, *compute.values()] + [
         v for s in segments for v in (s.alpha_us, s.beta_us_per_byte)]
     if not all(math.isfinite(v) and v >= 0 for v in numbers) or profile.world_size < 1:
         raise ProfileError(f"cost profile {path}: values must be finite and >= 0; {hint}")
+    if compute.get("overlap_efficiency", 0.0) > 1.0:
+        raise ProfileError(f"cost profile {path}: overlap.efficiency must be between 0 and 1; "
+                           f"{hint}")
     return {"profile": profile, **compute}
 
 

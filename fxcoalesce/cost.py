@@ -1,8 +1,10 @@
 """Predicted time: compute per graph node (a roofline) and communication per collective
 (``CostModel``), and what of the communication the graph's order leaves exposed.
 
-    hidden(c)  = min(T(c), compute between c's input and its first consumer)
+    hidden(c)  = e · min(T(c), compute between c's input and its first consumer)
     exposed(c) = T(c) - hidden(c)
+
+with ``e`` the profile's overlap efficiency (1 unless ``calibrate`` measured it).
 
 A prediction, not a measurement: the node order is the one the passes chose, and compute is a
 roofline (``max(flops / peak, bytes / bandwidth)`` plus a launch cost for matmuls and
@@ -110,6 +112,6 @@ def predict(analysis: Analysis, cost: CostModel, world: int) -> dict[str, float]
     for info in analysis.infos:
         t = cost.all_reduce_us(info.block.nbytes, world)
         total += t
-        hidden += min(t, prefix[info.need] - prefix[info.ready + 1])
+        hidden += cost.hidden_us(t, prefix[info.need] - prefix[info.ready + 1])
     return {"total": round(total, 1), "hidden": round(hidden, 1),
             "exposed": round(total - hidden, 1)}

@@ -1,8 +1,10 @@
 """Merge or not: what the cost model predicts for a group of mutually independent
 all_reduces, issued as one or separately (each hidden behind the compute of its window).
 
-    separate: sum over members of max(0, T(member) - compute in [ready, need] of the member)
-    merged:   max(0, T(merged bytes) - compute in [last ready, first need])
+    separate: sum over members of T(member) - hidden(T(member), compute in [ready, need])
+    merged:   T(merged bytes) - hidden(T(merged), compute in [last ready, first need])
+
+(``CostModel.hidden_us``: the overlap efficiency times the smaller of the two.)
 
 A merged collective starts when its last member's input is ready and must finish before its
 first member's consumer, so merging can expose a collective that separately would have been
@@ -45,18 +47,20 @@ class Decider:
         world, _ = group_setup(analysis.scan)
         return cls(analysis, cfg, world or 2, compute_prefix(analysis, roof))
 
-    def _hidden(self, ready: int, need: int) -> float:
+    def _window(self, ready: int, need: int) -> float:
+        """Predicted compute (µs) between position ``ready`` and ``need``."""
         return self.prefix[need] - self.prefix[ready + 1] if need > ready + 1 else 0.0
 
     def exposed(self, members: list[BlockInfo], nbytes: int | None = None) -> float:
         """Predicted exposed µs of ``members`` issued as one collective of ``nbytes`` (or
         separately, when ``nbytes`` is None)."""
         t = lambda b: self.cfg.cost.all_reduce_us(b, self.world)  # noqa: E731
+        exposed = lambda us, ready, need: us - self.cfg.cost.hidden_us(  # noqa: E731
+            us, self._window(ready, need))
         if nbytes is None:
-            return sum(max(0.0, t(m.block.nbytes) - self._hidden(m.ready, m.need))
-                       for m in members)
+            return sum(exposed(t(m.block.nbytes), m.ready, m.need) for m in members)
         ready, need = max(m.ready for m in members), min(m.need for m in members)
-        return max(0.0, t(nbytes) - self._hidden(ready, need))
+        return exposed(t(nbytes), ready, need)
 
     def choose(self, members: list[BlockInfo], merged_bytes: Callable[[list[BlockInfo]], int]
                ) -> tuple[list[BlockInfo], dict]:
@@ -65,8 +69,9 @@ class Decider:
         separate = self.exposed(members)
         options = [(self.exposed(members, merged_bytes(members)), members)]
         if self.cfg.slack_aware:
-            # members hidden on their own may do better apart from the rest
-            alone = [m for m in members if self.exposed([m]) == 0.0]
+            # members whose window covers them may do better apart from the rest
+            alone = [m for m in members if self._window(m.ready, m.need)
+                     >= self.cfg.cost.all_reduce_us(m.block.nbytes, self.world)]
             rest = [m for m in members if m not in alone]
             if alone and len(rest) > 1:
                 options.append((self.exposed(rest, merged_bytes(rest)) + self.exposed(alone),

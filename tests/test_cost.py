@@ -97,3 +97,57 @@ def test_report_predicts_exposed_and_hidden():
     # eight 10-µs matmuls hide more than one ~20-µs ring all_reduce
     assert before["total"] > 0 and before["exposed"] == 0.0
     assert before["hidden"] == before["total"]
+
+
+def test_overlap_efficiency_scales_what_compute_hides():
+    """With a measured efficiency e, a window of compute hides e·min(T, window), not all."""
+    b = GraphBuilder()
+    x, w = b.input("x", (64, 64)), b.input("w", (64, 64))
+    r = b.all_reduce(b.mm(x, w))
+    m = x
+    for _ in range(8):
+        m = b.mm(m, w)
+    gm = b.build(b.add(r, m))
+    half = CostModel(kernel_us=10.0, overlap_efficiency=0.5)
+    _, report = run_pipeline(gm, Config(cost=half))
+    before = report.predicted_comm_us["before"]
+    assert before["hidden"] == pytest.approx(before["total"] / 2, abs=0.1)
+    assert half.hidden_us(40.0, 100.0) == 20.0 and half.hidden_us(40.0, 10.0) == 5.0
+    with pytest.raises(ValueError, match="overlap_efficiency must be between 0 and 1"):
+        CostModel(overlap_efficiency=1.5)
+
+
+def test_profile_overlap_section(tmp_path):
+    cost = CostModel.from_profile(write(tmp_path, {**PROFILE, "overlap": {"efficiency": 0.4}}))
+    assert cost.overlap_efficiency == 0.4
+    assert CostModel.from_profile(write(tmp_path, PROFILE, "old.json")).overlap_efficiency == 1.0
+    with pytest.raises(ProfileError, match="overlap.efficiency must be between 0 and 1"):
+        CostModel.from_profile(write(tmp_path, {**PROFILE, "overlap": {"efficiency": 2}}, "b"))
+
+
+def test_overlap_summary_takes_each_sizes_slowest_rank():
+    from fxcoalesce.apps.calibrate import overlap_summary
+
+    point = lambda nbytes, both, eff: {"bytes": nbytes, "comm_us": 40.0,  # noqa: E731
+                                       "compute_us": 50.0, "matmuls": 2, "both_us": both,
+                                       "efficiency": eff}
+    ranks = [{"overlap": [point(1, 60.0, 0.75), point(2, 90.0, 0.0)]},
+             {"overlap": [point(1, 70.0, 0.5), point(2, 80.0, 0.25)]}]
+    summary = overlap_summary(ranks)["overlap"]
+    assert [p["both_us"] for p in summary["points"]] == [70.0, 90.0]
+    assert summary["efficiency"] == 0.25  # median of 0.5 and 0.0
+    assert overlap_summary([{"overlap": []}]) == {}
+
+
+def test_calibrate_on_two_gloo_ranks_measures_overlap(tmp_path, capsys):
+    """A real, small run (~5 s): latency points, the fit, and the overlap section."""
+    from fxcoalesce.apps import cli
+
+    out = tmp_path / "p.json"
+    assert cli.main(["calibrate", "--tp", "2", "--max-bytes", "64K", "--budget", "0.05",
+                     "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert [p["bytes"] for p in data["overlap"]["points"]] == [65536]
+    assert 0.0 <= data["overlap"]["efficiency"] <= 1.0
+    assert "overlap efficiency" in capsys.readouterr().out
+    assert CostModel.from_profile(out).overlap_efficiency == data["overlap"]["efficiency"]

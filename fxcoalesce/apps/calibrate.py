@@ -9,6 +9,8 @@ that captured the loop (the way torch.compile's CUDA-graph trees capture collect
 eager loop when capture is off or fails. The fit is piecewise alpha-beta (fewest segments,
 least squares on relative error refined to the smallest worst error; up to 4 segments:
 gloo switches algorithm between 256 KB and 3 MB), which ``CostModel.from_profile`` reads back.
+Then ``measure_overlap``: how much of an all_reduce in flight a matmul hides (the profile's
+``overlap.efficiency``, which the cost model scales every overlap window by).
 """
 
 from __future__ import annotations
@@ -120,7 +122,95 @@ def calibrate_worker(rank: int, world: int, byte_sizes: list[int], device: str,
                     lambda k, t=t: [dist.all_reduce(t) for _ in range(k)], reps[nbytes], 1, sync))
     points = {b: statistics.median(v) for b, v in runs.items()}
     used = all(getattr(loop, "captured", False) for loop in loops.values()) if cuda else False
-    return {"points": points, "cudagraphs": used, "compute": compute_constants(dev)}
+    overlap = [measure_overlap(nbytes, dev, captured, passes)
+               for nbytes in OVERLAP_BYTES if nbytes <= max(byte_sizes)]
+    return {"points": points, "cudagraphs": used, "compute": compute_constants(dev),
+            "overlap": overlap}
+
+
+OVERLAP_BYTES = (64 << 10, 256 << 10, 1 << 20, 4 << 20)
+"""all_reduce sizes at which ``measure_overlap`` runs (those up to ``--max-bytes``)."""
+
+
+def measure_overlap(nbytes: int, dev: torch.device, cudagraphs: bool, passes: int) -> dict:
+    """How much of an all_reduce a matmul issued between its start and its wait hides.
+
+    Three programs, each timed like the latency points (CUDA graphs on GPU, medians over
+    ``passes``), the way compiled code issues a collective (``_c10d_functional.all_reduce``,
+    compute, ``wait_tensor``): the all_reduce alone (``comm``), the matmuls alone
+    (``compute``, sized to last about as long), and the all_reduce in flight while the matmuls
+    run (``both``). ``efficiency = (comm + compute - both) / min(comm, compute)``: 1 when the
+    shorter one is completely hidden, 0 when they serialise (NCCL's kernels and the matmul
+    share the SMs and, with P2P off, the copy path). Every rank runs the same programs."""
+    cuda = dev.type == "cuda"
+    group = dist.group.WORLD.group_name
+    c10d = torch.ops._c10d_functional
+    t = torch.zeros(nbytes // FLOAT_BYTES, device=dev)
+    n, dtype = (2048, torch.bfloat16) if cuda else (128, torch.float32)
+    a, b = torch.randn(n, n, device=dev, dtype=dtype), torch.randn(n, n, device=dev, dtype=dtype)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    def comm():
+        c10d.wait_tensor(c10d.all_reduce(t, "sum", group))
+
+    def matmuls(k):
+        for _ in range(k):
+            torch.mm(a, b)
+
+    def time_us(fn) -> float:
+        run = _capture(fn, dev) if cuda and cudagraphs else fn
+        run()
+        out = []
+        for _ in range(passes):
+            dist.barrier()
+            sync()
+            start = time.perf_counter()
+            if cuda:
+                begin, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+                begin.record()
+                run()
+                end.record()
+                end.synchronize()
+                out.append(begin.elapsed_time(end) * 1e3)
+            else:
+                run()
+                out.append((time.perf_counter() - start) * 1e6)
+        return statistics.median(out)
+
+    comm_us = time_us(comm)
+    one = time_us(lambda: matmuls(1))
+    # the same number of matmuls on every rank: the slowest rank's count
+    k = torch.tensor([max(1, round(comm_us / max(one, 1e-3)))], device=dev)
+    dist.all_reduce(k, op=dist.ReduceOp.MAX)
+    k = int(k)
+    compute_us = time_us(lambda: matmuls(k))
+
+    def both():
+        handle = c10d.all_reduce(t, "sum", group)
+        matmuls(k)
+        c10d.wait_tensor(handle)
+
+    both_us = time_us(both)
+    eff = (comm_us + compute_us - both_us) / max(min(comm_us, compute_us), 1e-9)
+    return {"bytes": nbytes, "comm_us": round(comm_us, 2), "compute_us": round(compute_us, 2),
+            "matmuls": k, "both_us": round(both_us, 2),
+            "efficiency": round(min(1.0, max(0.0, eff)), 3)}
+
+
+def _capture(fn, dev: torch.device):
+    """``fn`` captured in a CUDA graph (every rank captures, or none: then ``fn`` itself)."""
+    graph, ok = torch.cuda.CUDAGraph(), True
+    try:
+        fn()  # warm-up outside the capture (NCCL's lazy setup)
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            fn()
+    except RuntimeError:
+        torch.cuda.synchronize()
+        ok = False
+    flag = torch.tensor([1 if ok else 0], device=dev)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return graph.replay if int(flag) else fn
 
 
 def compute_constants(dev: torch.device) -> dict:
@@ -250,10 +340,23 @@ def profile(results: list[dict], *, backend: str, device: str, world: int,
         "points": rows,
         "max_abs_error_1KB_16MB": max((abs(r["error"]) for r in in_range), default=math.nan),
         "cudagraphs": results[0]["cudagraphs"], "compute": results[0]["compute"],
+        **overlap_summary(results),
         "torch": torch.__version__, "nccl": _nccl_version() if backend == "nccl" else None,
         "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
         "date": date.today().isoformat(), "command": command,
     }
+
+
+def overlap_summary(results: list[dict]) -> dict:
+    """``{"overlap": {"efficiency": median over sizes, "points": [...]}}`` from every rank's
+    measurements: per size, the rank whose overlapped program ran slowest. Empty when no size
+    was measured."""
+    per_size = zip(*(r.get("overlap", []) for r in results))
+    points = [max(ranks, key=lambda p: p["both_us"]) for ranks in per_size]
+    if not points:
+        return {}
+    return {"overlap": {"efficiency": statistics.median(p["efficiency"] for p in points),
+                        "points": points}}
 
 
 def _nccl_version() -> str | None:
