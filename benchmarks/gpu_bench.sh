@@ -11,10 +11,12 @@
 #   bash benchmarks/gpu_bench.sh --cpu       here: gloo on CPU, a tiny matrix, checks this script
 #   ONLY=kimi_nvlink_cg_t16,neox_p2poff_cg bash benchmarks/gpu_bench.sh     chosen runs only
 #   BUDGET=300 ...                           seconds for the whole call (default 530)
+#   PROFILES=DIR ...                         calibrate_{p2poff,nvlink}.json when not made here
 #
 # $OUT gets (at most 8 files come back): log.txt (everything printed), results.jsonl (one
 # bench.json record per line, with "run" and "exit"), summary.md (each run's bench.md, then
-# the compact table), the first two runs' charts as <run>.png, and calibrate_*.json.
+# the compact table), the first two runs' charts as <run>.png, calibrate_*.json, and
+# <run>_trace_<variant>_t<tokens>.json for runs with --trace.
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1  # never multicast
 # Inductor's FX graph cache stays on (fxcoalesce turns it off only for its own compiles), so
@@ -30,6 +32,8 @@ BUDGET=${BUDGET:-530}
 ONLY=${ONLY:-}
 START=$(date +%s)
 REPO=$(pwd)
+# profiles this call did not calibrate come from here (ONLY= without the calibrate runs)
+PROFILES=${PROFILES:-$REPO/benchmarks/results/gpu_h200x2_2026-11-30}
 WORK=/tmp/fxc-bench-runs
 mkdir -p "$OUT" && rm -rf "$WORK" && mkdir -p "$WORK"
 : > "$OUT/results.jsonl"
@@ -58,7 +62,9 @@ bench() {
     echo "=== $run: fxcoalesce bench $* (limit ${limit}s, ${l}s left)"
     local mode profile=""
     mode=$(echo " $* " | sed -n 's/.* --nccl-mode \([a-z0-9-]*\) .*/\1/p')
-    [ -n "$mode" ] && [ -f "$OUT/calibrate_${mode//-/}.json" ] && profile=$OUT/calibrate_${mode//-/}.json
+    for f in "$OUT/calibrate_${mode//-/}.json" "$PROFILES/calibrate_${mode//-/}.json"; do
+        [ -n "$mode" ] && [ -z "$profile" ] && [ -f "$f" ] && profile=$f
+    done
     [ -n "$profile" ] && echo "    cost model: $profile"
     FXCOALESCE_PROFILE=$profile timeout -k 10 "$limit" "$PY" -m fxcoalesce.apps.cli bench "$@" \
         --out "$dir"
@@ -73,6 +79,9 @@ for rec in json.load(open(sys.argv[1])):
         if [ -f "$dir/bench.png" ] && [ $PNGS -lt 2 ]; then
             cp "$dir/bench.png" "$OUT/$run.png" && PNGS=$((PNGS + 1))
         fi
+        for f in "$dir"/trace_*.json; do  # --trace runs: rank 0's profiler traces
+            [ -f "$f" ] && cp "$f" "$OUT/${run}_$(basename "$f")"
+        done
     fi
 }
 
@@ -94,21 +103,7 @@ calibrate() {
 }
 
 table() {  # the compact table of everything measured, from results.jsonl
-    "$PY" - "$OUT/results.jsonl" <<'EOF'
-import json, sys
-rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
-print("| run | model | tokens | graphs | NCCL | variant | median ms | p10 | p90 | vs inductor | all_reduces |")
-print("|---|---|---|---|---|---|---|---|---|---|---|")
-for r in rows:
-    base = r["variants"].get("inductor", {}).get("median_ms")
-    for name, v in r["variants"].items():
-        x = f"{base / v['median_ms']:.2f}x" if base else "-"
-        print(f"| {r['run']} | {r['model']} | {r['tokens']} | {'on' if r['cudagraphs'] else 'off'} "
-              f"| {r['nccl_mode'] or r['backend']} | {name} | {v['median_ms']:.3f} | "
-              f"{v['p10_ms']:.3f} | {v['p90_ms']:.3f} | {x} | {v['all_reduce_launches']} |")
-if not rows:
-    print("(no results)")
-EOF
+    "$PY" "$REPO/benchmarks/gpu_table.py" --compact "$OUT/results.jsonl"
 }
 
 main() {
@@ -147,9 +142,9 @@ if torch.cuda.is_available(): print("nccl", torch.cuda.nccl.version())' || retur
         local main=eager,inductor,hand-merged,fxcoalesce
         # 0: the cost model's all_reduce profile in both NCCL modes, first: each bench run
         # below predicts its gain from the profile of its mode
-        calibrate calibrate_p2poff 40 90 --tp 2 --backend nccl --device cuda \
+        calibrate calibrate_p2poff 40 120 --tp 2 --backend nccl --device cuda \
             --nccl-mode p2p-off --max-bytes 32M --budget 0.5
-        calibrate calibrate_nvlink 40 90 --tp 2 --backend nccl --device cuda \
+        calibrate calibrate_nvlink 40 120 --tp 2 --backend nccl --device cuda \
             --nccl-mode nvlink --max-bytes 32M --budget 0.5
         # 1-2: the issue's named figures (p2p-off, CUDA graphs, 16 tokens)
         bench falcon_p2poff_cg_t16 90 220 "${g[@]}" "${falcon[@]}" --tokens 16 --cudagraphs \
@@ -185,10 +180,17 @@ if torch.cuda.is_available(): print("nccl", torch.cuda.nccl.version())' || retur
             --nccl-mode p2p-off
         bench kimitiny_p2poff 60 150 "${g[@]}" --model kimi-k2-tiny --step verify \
             --tokens 3,16,64 --nccl-mode p2p-off
+        # 15: profiler traces of the falcon figure's run (issue 8: evidence for its miss)
+        bench falcon_p2poff_cg_t16_trace 90 200 "${g[@]}" "${falcon[@]}" --tokens 16 \
+            --cudagraphs --nccl-mode p2p-off --variants inductor,hand-merged,fxcoalesce --trace
     fi
     echo
     echo "=== all results ($(($(date +%s) - START))s of ${BUDGET}s)"
     table | tee -a "$OUT/summary.md"
 }
 
-main 2>&1 | tee -a "$OUT/log.txt"
+stamp() {  # each line with the seconds since the call began: where the time goes
+    while IFS= read -r line; do printf '[%4d s] %s\n' "$(($(date +%s) - START))" "$line"; done
+}
+
+main 2>&1 | stamp | tee -a "$OUT/log.txt"
