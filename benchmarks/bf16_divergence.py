@@ -4,9 +4,9 @@ logit margin of the top two there, and what the bfloat16 target picks when the s
 come as one prefill (another shape). Usage: python benchmarks/bf16_divergence.py N TOKENS"""
 import json, sys, torch
 from pathlib import Path
-from fxcoalesce.apps import smollm2
-from fxcoalesce.apps.draft_head import load_head
-from fxcoalesce.apps.prompts import held_out_prompts
+from fxcoalesce.apps.spec import smollm2
+from fxcoalesce.apps.spec.draft_head import load_head
+from fxcoalesce.apps.spec.prompts import held_out_prompts
 from fxcoalesce.models import eagle3_static as es, eagle3 as e3
 
 torch.manual_seed(0)

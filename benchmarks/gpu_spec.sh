@@ -63,7 +63,7 @@ check() {  # the libraries, the GPUs, the GGUF's sha256
     run 120 python3 -c "import torch, gguf, tokenizers, safetensors, yaml, jinja2, fxcoalesce
 print('torch', torch.__version__, 'GPUs', torch.cuda.device_count(),
       torch.cuda.get_device_name() if torch.cuda.is_available() else 'none')
-from fxcoalesce.apps import smollm2
+from fxcoalesce.apps.spec import smollm2
 print('GGUF', smollm2.gguf_path(), 'sha256 checked')"
 }
 

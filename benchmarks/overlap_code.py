@@ -5,7 +5,7 @@ torch.compile and fxcoalesce side by side (fake process group: compiles without 
                                       [--tp 2] [--tokens 8] [--out results/overlap_code.json]
 
 For each model and variant: all_reduce launches in the code, and the kernels launched between
-each all_reduce's issue and its wait (``fxcoalesce.apps.code_overlap``), summed.
+each all_reduce's issue and its wait (``fxcoalesce.apps.bench.code_overlap``), summed.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch._inductor.utils import run_and_get_code
 
 import fxcoalesce
-from fxcoalesce.apps.code_overlap import collective_windows
+from fxcoalesce.apps.bench.code_overlap import collective_windows
 from fxcoalesce.apps.launch import init_fake_group
 from fxcoalesce.apps.steps import make_step
 from fxcoalesce.models import apply_tp, build

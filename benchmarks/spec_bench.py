@@ -16,10 +16,10 @@ import sys
 import time
 from pathlib import Path
 
-from fxcoalesce.apps import smollm2
+from fxcoalesce.apps.spec import smollm2
 from fxcoalesce.apps.launch import default_backend, spawn
-from fxcoalesce.apps.prompts import held_out_prompts
-from fxcoalesce.apps.specdecode import SpecOptions, spec_worker, summarize
+from fxcoalesce.apps.spec.prompts import held_out_prompts
+from fxcoalesce.apps.spec.specdecode import SpecOptions, spec_worker, summarize
 
 
 def main(argv=None) -> int:

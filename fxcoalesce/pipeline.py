@@ -112,7 +112,7 @@ def trace_artifacts(before: GraphModule, after: GraphModule, report: Report) -> 
     """The graphs, the report and the collective picture as structured-trace artifacts, so
     ``TORCH_TRACE=dir`` + ``tlparse`` show them next to Inductor's own. Costs a few calls
     when tracing is off: ``trace_structured`` calls no ``payload_fn`` then."""
-    from .picture import graph_dot
+    from .viz.picture import graph_dot
 
     dot = lambda: graph_dot(before, after, title=report.graph,  # noqa: E731
                             bound=report.all_reduce["lower_bound"])

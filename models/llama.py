@@ -1,5 +1,5 @@
 """KV-cached Llama with grouped-query attention, RMSNorm, SwiGLU and tied embeddings: the shape
-of real small checkpoints (SmolLM2-135M, loaded from its GGUF by ``fxcoalesce.apps.smollm2``).
+of real small checkpoints (SmolLM2-135M, loaded from its GGUF by ``fxcoalesce.apps.spec.smollm2``).
 
 Same interface as ``models.deepseek``'s target, so EAGLE-3 (``models.eagle3``) drafts for it:
 
@@ -262,7 +262,7 @@ def build(name_or_args: str | LlamaArgs, *, hand_merged: bool = False,
           dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
           seed: int = 0) -> Transformer:
     """The unsharded model with seeded weights (works under ``FakeTensorMode``); real weights
-    come from ``fxcoalesce.apps.smollm2.load_target``."""
+    come from ``fxcoalesce.apps.spec.smollm2.load_target``."""
     if hand_merged:
         raise ValueError("Llama blocks are sequential: there is no hand-merged variant")
     if isinstance(name_or_args, str):

@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from fxcoalesce import models
-from fxcoalesce.apps import bench, bench_report, checks, cli
-from fxcoalesce.apps.bench_variants import (VARIANTS, bucketing_options, hand_merged_twin,
+from fxcoalesce.apps import checks, cli
+from fxcoalesce.apps.bench import report as bench_report
+from fxcoalesce.apps.bench import run as bench
+from fxcoalesce.apps.bench.variants import (VARIANTS, bucketing_options, hand_merged_twin,
                                             has_hand_merged, parse_variants)
 
 GiB = 1 << 30

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from fxcoalesce.apps import cli
-from fxcoalesce.apps.draw import has_matplotlib
+from fxcoalesce.viz.draw import has_matplotlib
 
 PNG = b"\x89PNG\r\n\x1a\n"
 needs_matplotlib = pytest.mark.skipif(not has_matplotlib(), reason="matplotlib not installed")
@@ -34,7 +34,7 @@ def test_drawing_options_refused(capsys, tmp_path, args, message):
 
 
 def test_svg_without_any_renderer_is_refused(capsys, monkeypatch, tmp_path):
-    from fxcoalesce.apps import draw
+    from fxcoalesce.viz import draw
 
     monkeypatch.setattr(draw, "renderer", lambda: None)
     monkeypatch.setattr(draw, "has_matplotlib", lambda: False)

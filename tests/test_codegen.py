@@ -1,7 +1,7 @@
 """Tier 2: what Inductor's generated code does with the collectives (fake process group, CPU).
 
 The FX order is only a request: Inductor fuses and reorders after the passes. These tests read
-the code a run executes (``fxcoalesce.apps.code_overlap``): the collectives come out in the
+the code a run executes (``fxcoalesce.apps.bench.code_overlap``): the collectives come out in the
 order the passes chose, and when collectives stay separate the compute between issue and wait
 is at least what plain torch.compile gets.
 """
@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch._inductor.utils import run_and_get_code
 
 import fxcoalesce
-from fxcoalesce.apps.code_overlap import collective_windows
+from fxcoalesce.apps.bench.code_overlap import collective_windows
 from fxcoalesce.apps.launch import init_fake_group
 from fxcoalesce.apps.steps import make_step
 from fxcoalesce.collectives import issue_sequence

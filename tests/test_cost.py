@@ -12,7 +12,7 @@ from graphs import GraphBuilder
 
 import fxcoalesce
 from fxcoalesce import Config, run_pipeline
-from fxcoalesce.apps.calibrate import fit, sizes
+from fxcoalesce.apps.bench.calibrate import fit, sizes
 from fxcoalesce.apps.launch import init_fake_group
 from fxcoalesce.config import CostModel, ProfileError
 
@@ -126,7 +126,7 @@ def test_profile_overlap_section(tmp_path):
 
 
 def test_overlap_summary_takes_each_sizes_slowest_rank():
-    from fxcoalesce.apps.calibrate import overlap_summary
+    from fxcoalesce.apps.bench.calibrate import overlap_summary
 
     point = lambda nbytes, both, eff: {"bytes": nbytes, "comm_us": 40.0,  # noqa: E731
                                        "compute_us": 50.0, "matmuls": 2, "both_us": both,

@@ -10,9 +10,9 @@ import pytest
 from graphs import GraphBuilder
 
 from fxcoalesce import Config, run_pipeline
-from fxcoalesce.apps.draw import has_matplotlib, render_picture
-from fxcoalesce.dag import find_collective_dag, layer_of, module_path
-from fxcoalesce.picture import collective_picture, to_dot
+from fxcoalesce.viz.draw import has_matplotlib, render_picture
+from fxcoalesce.viz.dag import find_collective_dag, layer_of, module_path
+from fxcoalesce.viz.picture import collective_picture, to_dot
 
 needs_matplotlib = pytest.mark.skipif(not has_matplotlib(), reason="matplotlib not installed")
 

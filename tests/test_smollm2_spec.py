@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from test_eagle3 import CHI2_LIMIT, chi_square
 
-from fxcoalesce.apps import smollm2
-from fxcoalesce.apps.draft_head import load_head
-from fxcoalesce.apps.prompts import held_out_prompts
+from fxcoalesce.apps.spec import smollm2
+from fxcoalesce.apps.spec.draft_head import load_head
+from fxcoalesce.apps.spec.prompts import held_out_prompts
 from fxcoalesce.models import eagle3 as e3
 from fxcoalesce.models import eagle3_static as es
 

@@ -9,8 +9,8 @@ import pytest
 from graphs import GraphBuilder
 
 from fxcoalesce import CostModel
-from fxcoalesce.apps.draw import draw_timelines, has_matplotlib, read_chrome_trace
-from fxcoalesce.timeline import predict_timeline
+from fxcoalesce.viz.draw import draw_timelines, has_matplotlib, read_chrome_trace
+from fxcoalesce.viz.timeline import predict_timeline
 
 # a matmul costs its launch, 4 µs (peaks too high to matter); an all_reduce 10 µs
 COST = CostModel(base_us=10.0, hop_us=0.0, bandwidth_gbps=1e9, peak_tflops=1e9,

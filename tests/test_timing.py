@@ -1,8 +1,8 @@
-"""apps.timing.timed: the one timer bench and demo share."""
+"""apps.bench.timing.timed: the one timer bench and demo share."""
 
 import time
 
-from fxcoalesce.apps.timing import timed
+from fxcoalesce.apps.bench.timing import timed
 
 
 def test_timed_returns_result_and_microseconds_on_cpu():

@@ -7,8 +7,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from fxcoalesce.apps import draft_head, smollm2
-from fxcoalesce.apps.train_draft import TrainOptions, run_train_draft
+from fxcoalesce.apps.spec import draft_head, smollm2
+from fxcoalesce.apps.spec.train_draft import TrainOptions, run_train_draft
 from fxcoalesce.models import eagle3 as e3
 from fxcoalesce.models import llama
 from fxcoalesce.models.eagle3_train import ttt_mask, unrolled_forward

@@ -14,7 +14,7 @@ from pathlib import Path
 from fxcoalesce.config import Config
 
 PRETRAINED = "smollm2-135m"
-"""The model with pretrained weights (apps/smollm2.py): demo decodes it with a trained head."""
+"""The model with pretrained weights (apps/spec/smollm2.py): demo decodes it with a trained head."""
 
 
 def _at_least(minimum: int, why: str = "", **options: int) -> None:
@@ -30,7 +30,7 @@ def _model(name: str, tp: int, step: str) -> None:
     """``name`` is known, ``tp`` ranks can shard it (its ``apply_tp`` rules) and it has ``step``."""
     from fxcoalesce import models
 
-    from .steps import steps_for
+    from fxcoalesce.apps.steps import steps_for
 
     models.family_of(name)  # "unknown model ...; choose one of: ..."
     if step not in steps_for(name):
@@ -86,7 +86,7 @@ def _can_write_file(out: str, command: str = "bench") -> None:
 
 def _drawings(args) -> None:
     """What ``--format``, ``--timeline`` and ``--trace`` write needs ``--out`` and a renderer."""
-    from .draw import NEEDS_A_RENDERER, NEEDS_MATPLOTLIB, has_matplotlib, renderer
+    from fxcoalesce.viz.draw import NEEDS_A_RENDERER, NEEDS_MATPLOTLIB, has_matplotlib, renderer
 
     wants = [(args.format in ("svg", "png"), f"--format {args.format}",
               f"collectives.{args.format}"),
@@ -193,13 +193,13 @@ def _hostable(tp: int, device: str) -> None:
 
 def _backend(args) -> str:
     """The process group backend a bench or demo run will use."""
-    from .launch import default_backend
+    from fxcoalesce.apps.launch import default_backend
 
     return args.backend or default_backend(args.device, args.tp)
 
 
 def check_bench(args) -> None:
-    from .bench_variants import parse_variants
+    from fxcoalesce.apps.bench.variants import parse_variants
 
     _at_least(1, tp=args.tp, steps=args.steps)
     for tokens in args.tokens:
@@ -237,7 +237,7 @@ def check_demo(args) -> None:
     _model(args.model, args.tp, "verify")
     _gpus(args.device, args.backend, args.tp)
     if args.model == PRETRAINED:
-        from .demo_smollm2 import head_path
+        from fxcoalesce.apps.spec.demo import head_path
 
         head_path(args.draft)
         if not args.prompt.strip():

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from fxcoalesce.apps import checks
 from fxcoalesce.config import Config
-from fxcoalesce.picture import MAX_BOXES
+from fxcoalesce.viz.picture import MAX_BOXES
 
 
 def _table(rows: list[tuple[str, object]]) -> str:
@@ -80,8 +80,8 @@ def cmd_inspect(args) -> int:
 
 def _draw_model(args, t) -> None:
     """The pictures ``--format dot|svg|png`` and ``--timeline`` ask for."""
-    from fxcoalesce.dag import find_collective_dag
-    from fxcoalesce.picture import collective_picture, to_dot
+    from fxcoalesce.viz.dag import find_collective_dag
+    from fxcoalesce.viz.picture import collective_picture, to_dot
 
     title = (f"{args.model}{' (hand-merged)' if args.hand_merged else ''}  step={args.step}  "
              f"TP={args.tp}  tokens={args.tokens}")
@@ -97,14 +97,14 @@ def _draw_model(args, t) -> None:
             (Path(args.out) / "collectives.dot").write_text(dot)
             print(f"wrote {args.out}/collectives.dot")
             if args.format in ("svg", "png"):
-                from fxcoalesce.apps.draw import render_picture
+                from fxcoalesce.viz.draw import render_picture
 
                 path = Path(args.out) / f"collectives.{args.format}"
                 engine = render_picture(panels, path, args.format, title=title)
                 print(f"wrote {path} (drawn by {engine})")
     if args.timeline:
-        from fxcoalesce.apps.draw import draw_timelines
-        from fxcoalesce.timeline import predict_timeline
+        from fxcoalesce.viz.draw import draw_timelines
+        from fxcoalesce.viz.timeline import predict_timeline
 
         from fxcoalesce.config import CostModel
 
@@ -121,7 +121,7 @@ def _draw_model(args, t) -> None:
 
 
 def _draw_trace(args) -> None:
-    from fxcoalesce.apps.draw import draw_timelines, read_chrome_trace
+    from fxcoalesce.viz.draw import draw_timelines, read_chrome_trace
 
     timeline = read_chrome_trace(args.trace)
     Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -134,9 +134,9 @@ def cmd_bench(args) -> int:
     import signal
     import time
 
-    from fxcoalesce.apps.bench import BenchOptions, run_bench
-    from fxcoalesce.apps.bench_report import text_table, write_all
-    from fxcoalesce.apps.bench_variants import parse_variants
+    from fxcoalesce.apps.bench.run import BenchOptions, run_bench
+    from fxcoalesce.apps.bench.report import text_table, write_all
+    from fxcoalesce.apps.bench.variants import parse_variants
     from fxcoalesce.apps.checks import _backend
 
     be = _backend(args)
@@ -173,7 +173,7 @@ def cmd_bench(args) -> int:
 
 
 def cmd_calibrate(args) -> int:
-    from fxcoalesce.apps.calibrate import run_calibrate, write_profile
+    from fxcoalesce.apps.bench.calibrate import run_calibrate, write_profile
 
     print(f"calibrate: {args.tp} {args.backend or 'gloo'} ranks on {args.device}, all_reduce "
           f"from 8 B to {args.max_bytes} B ...", file=sys.stderr, flush=True)
@@ -217,7 +217,7 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 
 def cmd_train_draft(args) -> int:
-    from fxcoalesce.apps.train_draft import TrainOptions, run_train_draft
+    from fxcoalesce.apps.spec.train_draft import TrainOptions, run_train_draft
 
     opt = TrainOptions(out=args.out, target=args.target, device=args.device,
                        minutes=args.minutes, gen_share=args.gen_share, prompts=args.prompts,
@@ -416,7 +416,7 @@ def _run(args) -> int:
     failure at run time, not bad input), with its traceback first under -v."""
     from fxcoalesce.apps.launch import RankError
 
-    from fxcoalesce.apps.smollm2 import WeightsError
+    from fxcoalesce.apps.spec.smollm2 import WeightsError
 
     try:
         return args.fn(args)

@@ -21,8 +21,8 @@ import torch.distributed as dist
 
 from fxcoalesce.compiler import backend
 from fxcoalesce.config import Config
-from .launch import default_backend, spawn
-from .timing import timed
+from fxcoalesce.apps.launch import default_backend, spawn
+from fxcoalesce.apps.bench.timing import timed
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -122,10 +122,10 @@ def demo_worker(rank: int, world: int, opt: DemoOptions) -> dict:
 
 
 def run_demo(args) -> int:
-    from .smollm2 import NAME
+    from fxcoalesce.apps.spec.smollm2 import NAME
 
     if args.model == NAME:  # pretrained weights and a trained draft head
-        from .demo_smollm2 import run_smollm2_demo
+        from fxcoalesce.apps.spec.demo import run_smollm2_demo
 
         return run_smollm2_demo(args)
     opt = DemoOptions(model=args.model, tokens=args.tokens or 32,

@@ -14,8 +14,8 @@ from fxcoalesce.compiler import backend
 from fxcoalesce.config import Config
 from fxcoalesce.report import Report
 
-from .launch import init_fake_group
-from .steps import make_step
+from fxcoalesce.apps.launch import init_fake_group
+from fxcoalesce.apps.steps import make_step
 
 
 @dataclass(slots=True)

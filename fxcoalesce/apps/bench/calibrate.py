@@ -367,7 +367,7 @@ def _nccl_version() -> str | None:
 
 
 def run_calibrate(args) -> dict:
-    from .launch import spawn
+    from fxcoalesce.apps.launch import spawn
 
     backend = args.backend or "gloo"
     env = NCCL_MODES[args.nccl_mode] if backend == "nccl" else {}

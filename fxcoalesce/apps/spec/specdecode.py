@@ -31,8 +31,8 @@ import torch.distributed as dist
 from fxcoalesce.compiler import backend
 from fxcoalesce.config import Config
 
-from . import smollm2
-from .draft_head import load_head
+from fxcoalesce.apps.spec import smollm2
+from fxcoalesce.apps.spec.draft_head import load_head
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -1,7 +1,7 @@
 """A picture of the collectives before and after the pipeline: boxes, edges, colours, and
-its Graphviz DOT text (``fxcoalesce.apps.draw`` renders it to SVG or PNG).
+its Graphviz DOT text (``fxcoalesce.viz.draw`` renders it to SVG or PNG).
 
-Each panel draws one graph's :class:`~fxcoalesce.dag.CollectiveDag`. A collective a pass
+Each panel draws one graph's :class:`~fxcoalesce.viz.dag.CollectiveDag`. A collective a pass
 made has a colour of its own, and in the *before* panel the originals it replaces have the
 same colour, so a bucket reads as "these three became that one". A graph with more
 collectives than ``max_boxes`` is collapsed: one box per layer when the nodes carry module
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the picture itself needs no torch (the CLI's --help imports it)
-    from .dag import CollectiveDag, CollectiveNode
+    from fxcoalesce.viz.dag import CollectiveDag, CollectiveNode
 
 PALETTE = ("#8dd3c7", "#ffffb3", "#bebada", "#fb8072", "#80b1d3", "#fdb462", "#b3de69",
            "#fccde5", "#bc80bd", "#ccebc5", "#ffed6f", "#d9d9d9")
@@ -177,7 +177,7 @@ def to_dot(panels: list[Panel], title: str = "") -> str:
 def graph_dot(before_gm, after_gm, *, collapse: str = "auto", title: str = "",
               bound: int | None = None) -> str:
     """DOT text of two graph modules' collectives (what the pipeline's trace artifact holds)."""
-    from .dag import find_collective_dag
+    from fxcoalesce.viz.dag import find_collective_dag
 
     before = find_collective_dag(before_gm)
     after = find_collective_dag(after_gm, origins=before)

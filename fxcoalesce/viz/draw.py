@@ -1,6 +1,6 @@
 """Drawings for ``fxcoalesce inspect``: the collective picture as SVG or PNG (Graphviz's
 ``dot`` when it is installed, else matplotlib) and two-lane timelines (matplotlib), either
-predicted (``fxcoalesce.timeline``) or read from a torch.profiler chrome trace.
+predicted (``fxcoalesce.viz.timeline``) or read from a torch.profiler chrome trace.
 
 matplotlib is optional (``pip install 'fxcoalesce[plot]'``); it is imported only here, and
 drawing uses ``matplotlib.figure.Figure`` directly, so no pyplot state or GUI backend.
@@ -15,8 +15,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from fxcoalesce.picture import Panel, to_dot
-from fxcoalesce.timeline import Span, Timeline, merged, overlaps
+from fxcoalesce.viz.picture import Panel, to_dot
+from fxcoalesce.viz.timeline import Span, Timeline, merged, overlaps
 
 NEEDS_A_RENDERER = ("drawing {fmt} needs Graphviz's `dot` on PATH or matplotlib "
                     "(pip install 'fxcoalesce[plot]'); --format dot writes the DOT text "

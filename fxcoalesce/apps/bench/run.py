@@ -44,10 +44,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .bench_variants import (VARIANTS, bucketing_options, compile_variant, has_hand_merged,
-                             hand_merged_twin)
-from .steps import make_step
-from .timing import timed
+from fxcoalesce.apps.bench.timing import timed
+from fxcoalesce.apps.bench.variants import (VARIANTS, bucketing_options, compile_variant,
+                                            has_hand_merged, hand_merged_twin)
+from fxcoalesce.apps.steps import make_step
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -169,7 +169,7 @@ def trace_variant(r: "_Rank", call, filename: str) -> dict:
 
     from torch.profiler import ProfilerActivity, profile
 
-    from .draw import read_chrome_trace
+    from fxcoalesce.viz.draw import read_chrome_trace
 
     cuda = r.dev.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -464,8 +464,8 @@ def environment(device: str) -> dict:
 
 def run_bench(opt: BenchOptions) -> list[dict]:
     """Spawn the ranks, run the bench, return one record per token count."""
-    from .calibrate import NCCL_MODES
-    from .launch import spawn
+    from fxcoalesce.apps.bench.calibrate import NCCL_MODES
+    from fxcoalesce.apps.launch import spawn
 
     env = NCCL_MODES[opt.nccl_mode] if opt.backend == "nccl" else {}
     per_rank = spawn(bench_worker, opt.tp, (opt,), backend=opt.backend, env=env)

@@ -13,12 +13,12 @@ import sys
 import time
 from pathlib import Path
 
-from . import smollm2
-from .draft_head import check_compatible, read_config
-from .launch import default_backend, spawn
-from .specdecode import SpecOptions, spec_worker, summarize
+from fxcoalesce.apps.spec import smollm2
+from fxcoalesce.apps.spec.draft_head import check_compatible, read_config
+from fxcoalesce.apps.launch import default_backend, spawn
+from fxcoalesce.apps.spec.specdecode import SpecOptions, spec_worker, summarize
 
-DEFAULT_HEAD = Path(__file__).resolve().parents[2] / "heads" / smollm2.NAME
+DEFAULT_HEAD = Path(__file__).resolve().parents[3] / "heads" / smollm2.NAME
 """The head committed with the repository (found from an editable install)."""
 DEFAULT_TOKENS = 256
 

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 
 from torch.fx import GraphModule
 
-from .analysis import analyze
-from .config import CostModel
-from .cost import Roofline, graph_device, node_us
+from fxcoalesce.analysis import analyze
+from fxcoalesce.config import CostModel
+from fxcoalesce.cost import Roofline, graph_device, node_us
 
 
 @dataclass(frozen=True, slots=True)

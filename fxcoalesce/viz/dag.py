@@ -20,9 +20,10 @@ from dataclasses import dataclass
 
 from torch.fx import GraphModule, Node
 
-from .analysis import analyze
-from .collectives import OTHER_COLLECTIVES, find_comm_blocks, is_all_reduce, op_of, size_hint
-from .meta import REPLACES
+from fxcoalesce.analysis import analyze
+from fxcoalesce.collectives import (OTHER_COLLECTIVES, find_comm_blocks, is_all_reduce, op_of,
+                                    size_hint)
+from fxcoalesce.meta import REPLACES
 
 
 @dataclass(frozen=True, slots=True)

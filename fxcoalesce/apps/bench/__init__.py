@@ -1,0 +1,2 @@
+"""The benchmark tools: ``bench`` (run, variants, timing, report), ``calibrate`` and the
+generated-code overlap reader."""
