@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.fx import Graph, Node
 
-from .meta import SLICED, numel, storage_of, tensor_val
+from .meta import ORIGIN, SLICED, numel, storage_of, tensor_val
 
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
@@ -264,9 +264,11 @@ def describe(node: Node) -> str:
     vals = val if isinstance(val, (list, tuple)) else [val]
     tensors = ", ".join(f"{str(v.dtype).removeprefix('torch.')}{list(v.shape)}"
                         for v in vals if isinstance(v, torch.Tensor))
+    text = f"{name}({', '.join(map(str, args))}) -> {tensors}"
+    if ORIGIN in node.meta:
+        return f"{text} <- {node.meta[ORIGIN]}"
     sliced = node.meta.get(SLICED)
-    return f"{name}({', '.join(map(str, args))}) -> {tensors}" + (
-        f" of {sliced}" if sliced else "")
+    return text + (f" of {sliced}" if sliced else "")
 
 
 def issue_sequence(graph: Graph) -> list[tuple[str | None, str]]:

@@ -13,16 +13,18 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.fx import Graph
 
-from .collectives import issue_sequence
+from .agreement import Agreement, agree, must_compare
+from .collectives import find_comm_blocks, issue_sequence
+from .compile_cache import source_fingerprint, source_files  # noqa: F401 (re-exported)
 from .config import Config
+from .graph_compile import GraphCompile
 from .pipeline import next_graph_name, run_pipeline
-from .rank_check import checked, has_peers
+from .report import record
 
 log = logging.getLogger("fxcoalesce")
 CHECK_RANKS_ENV = "FXCOALESCE_CHECK_RANKS"
@@ -77,11 +79,15 @@ def backend(config: Config | None = None, *, on_graph: Callable | None = None,
     torch.compile's and reach Inductor as they would with ``backend="inductor"`` (CUDA graphs
     with ``mode="reduce-overhead"``); torch.compile's own ``mode=`` / ``options=`` arguments
     are accepted too. ``codegen="eager"`` runs the rewritten graph as Python (for debugging).
-    ``on_graph(before, after, report)`` is called for every graph (inspection tools use it).
+    Where the passes could change a graph's collective sequence, the ranks compare it at
+    compile time and fall back together until they agree (``agreement``). Compiles are
+    cached by Inductor, keyed on the pass sources and the config (``compile_cache``);
+    ``on_graph(before, after, report)``, called for every graph the passes rewrite (inspection
+    tools use it), and ``Config.dump_dir`` need the graphs, so they skip AOTAutograd's cache.
     ``FXCOALESCE_DUMP=dir`` in the environment sets ``Config.dump_dir`` when ``config`` has
     none.
     """
-    from fxcoalesce.passes import check_config, rank_invariant
+    from fxcoalesce.passes import check_config
 
     cfg = _with_env_dump(config or Config())
     check_config(cfg)
@@ -92,39 +98,9 @@ def backend(config: Config | None = None, *, on_graph: Callable | None = None,
 
     def compile_graph(gm, example_inputs, *, mode=None, options=None):
         patches = {**base, **inductor_patches(mode, options, cfg.codegen)}
-        name = next_graph_name()
-
-        def build(config: Config):
-            sequences, reports = [], []
-
-            def rewrite(graph_module):
-                new, report = run_pipeline(graph_module, config, name=name)
-                sequences.append(issue_sequence(new.graph))
-                reports.append(report)
-                if on_graph is not None:
-                    on_graph(graph_module, new, report)
-                return new
-
-            return _codegen(gm, example_inputs, rewrite, config, patches), sequences, reports
-
-        compiled, sequences, reports = build(cfg)
-        if not reports:  # the rewrite was never called: some cache served the graph
-            raise RuntimeError(
-                f"fxcoalesce: {name} was compiled without the fxcoalesce passes (a compile "
-                "cache answered before they ran; TORCHINDUCTOR_FORCE_DISABLE_CACHES=0 in the "
-                "environment?). Unset it, or use fxcoalesce.inductor_pass(), which caches "
-                "safely.")
-        local = any(r.local_decisions for r in reports) and has_peers(sequences)
-        if not (check_ranks or local):
-            return compiled
-        # choices that read this rank's compute are agreed on at the first call; if ranks
-        # differ, all of them fall back to merging every group (rank-invariant by itself).
-        # Every checking rank must take the same steps: one without local choices keeps its
-        # graph as the fallback, and still joins the second comparison.
-        def fallback():
-            return build(rank_invariant(cfg))[:2] if local else (compiled, sequences)
-
-        return checked(compiled, name, sequences, fallback=fallback)
+        job = GraphCompile(gm, example_inputs, patches, cfg, name=next_graph_name(),
+                           on_graph=on_graph)
+        return job.run(check_ranks)
 
     return compile_graph
 
@@ -140,62 +116,14 @@ def _with_env_profile(cfg: Config) -> Config:
     try:
         return replace(cfg, cost=CostModel.from_profile(path))
     except ProfileError as e:
-        log.warning("fxcoalesce: %s=%s ignored, using the default cost model: %s",
-                    PROFILE_ENV, path, e)
+        log.warning("%s=%s ignored, using the default cost model: %s", PROFILE_ENV, path, e)
         return cfg
-
-
-def _codegen(gm, example_inputs, rewrite, cfg: Config, patches: dict):
-    """Compile ``gm`` with ``rewrite`` applied to its ATen graph (Inductor or eager)."""
-    if cfg.codegen == "eager":
-        return _eager(rewrite)(gm, example_inputs)
-    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
-
-    def inner_compile(graph_module, inputs, **kwargs):
-        return compile_fx_inner(rewrite(graph_module), inputs, **kwargs)
-
-    # Inductor's caches key on its config, not on inner_compile: a hit would skip the
-    # pipeline (and its report), or serve a graph compiled without it (AOTAutograd's cache
-    # returned plain Inductor's code for the same graph). Keep them off here;
-    # ``inductor_pass`` is the cache-friendly route (its uuid() joins the cache key).
-    # ``force_disable_caches``, not the caches' own flags: TORCHINDUCTOR_AUTOGRAD_CACHE=1 /
-    # TORCHINDUCTOR_FX_GRAPH_CACHE=1 in the environment override a patch of those.
-    with torch.compiler.config.patch(force_disable_caches=True):
-        return compile_fx(gm, example_inputs, inner_compile=inner_compile,
-                          config_patches=patches or None)
-
-
-def _eager(rewrite):
-    from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._inductor.decomposition import select_decomp_table
-
-    def fw_compiler(gm, example_inputs):
-        return make_boxed_func(rewrite(gm).forward)
-
-    return aot_autograd(fw_compiler=fw_compiler, decompositions=select_decomp_table())
 
 
 def fxcoalesce_backend(gm, example_inputs, **kwargs):
     """The backend registered as ``"fxcoalesce"`` (entry point ``torch_dynamo_backends``);
     torch.compile hands it ``mode=`` / ``options=`` when the user gives them."""
     return backend()(gm, example_inputs, **kwargs)
-
-
-def source_files() -> list[Path]:
-    """The files whose text defines what the passes do (core and passes)."""
-    import fxcoalesce.passes as passes
-
-    roots = [Path(__file__).parent, Path(passes.__file__).parent]
-    return sorted(p for root in roots for p in root.glob("*.py"))
-
-
-def source_fingerprint(files: list[Path] | None = None) -> str:
-    h = hashlib.sha256()
-    for p in files if files is not None else source_files():
-        h.update(p.name.encode())
-        h.update(p.read_bytes())
-    return h.hexdigest()
 
 
 def replace_graph(dst: Graph, src: Graph) -> None:
@@ -209,33 +137,57 @@ def replace_graph(dst: Graph, src: Graph) -> None:
 class FxCoalescePass(CustomGraphPass):
     """The pipeline as ``torch._inductor.config.post_grad_custom_post_pass``.
 
-    ``uuid()`` keys Inductor's FX graph cache: it hashes the pass sources and the config, so
-    it changes when either does and is stable otherwise. On a cache hit the pass does not run
-    and records no report (``fxcoalesce.reports()`` says so when it is empty).
+    Inductor runs it at compile time on every rank, with no first call to wrap, so where the
+    passes could change a graph's collective sequence the ranks compare it right there and
+    fall back together until they agree (``agreement``), as the backend does. A rank served
+    from Inductor's cache would skip the pass and leave its peers waiting in that comparison,
+    so while a process group of several real ranks is up ``uuid()`` is None: Inductor then
+    caches none of the graphs it compiles with this pass. (The backend caches safely: use it
+    for cached compiles.) Without such a group — one process, or a fake group — ``uuid()``
+    hashes the pass sources and the config. ``check_ranks`` (or ``FXCOALESCE_CHECK_RANKS=1``)
+    turns a difference into :class:`CollectiveMismatchError`.
     """
 
     def __init__(self, config: Config | None = None):
-        from fxcoalesce.passes import check_config, rank_invariant
+        from fxcoalesce.passes import check_config
 
-        # Inductor calls this pass once per rank with no chance to agree across ranks, so
-        # choices must not read compute estimates, nor rest on unchecked facts (slice)
-        self.config = rank_invariant(config or Config())
+        self.config = config or Config()
         check_config(self.config)
-        if self.config.check_ranks:
-            raise ValueError("Config(check_ranks=True) needs the fxcoalesce backend "
-                             "(torch.compile(..., backend=fxcoalesce.backend(cfg))): a custom "
-                             "Inductor pass cannot wrap the compiled graph's first call")
+        self.check_ranks = self.config.check_ranks or env_flag(CHECK_RANKS_ENV)
 
     def __call__(self, graph: Graph) -> None:
         gm = graph.owning_module
         if gm is None:
             gm = torch.fx.GraphModule(torch.nn.Module(), graph)
-        new, report = run_pipeline(gm, self.config)
+        name = next_graph_name()
+        program = issue_sequence(gm.graph)
+
+        def build(config: Config):
+            new, report = run_pipeline(gm, config, name=name, record=False)
+            return (new, report), issue_sequence(new.graph)
+
+        if must_compare(program, find_comm_blocks(gm.graph).all_reduce_count, self.config,
+                        self.check_ranks):
+            (new, report), agreement = agree(name, self.config, build,
+                                             check_ranks=self.check_ranks)
+        else:
+            (new, report), agreement = build(self.config)[0], Agreement()
+        report.agreement = agreement.as_dict()
+        record(report)
         if new is not gm and not report.fell_back:
             replace_graph(graph, new.graph)
 
-    def uuid(self) -> str:
+    def uuid(self) -> str | None:
+        if _real_peers():
+            return None
         return hashlib.sha256(f"{source_fingerprint()}|{self.config!r}".encode()).hexdigest()
+
+
+def _real_peers() -> bool:
+    import torch.distributed as dist
+
+    return (dist.is_available() and dist.is_initialized() and dist.get_backend() != "fake"
+            and dist.get_world_size() > 1)
 
 
 def inductor_pass(config: Config | None = None) -> FxCoalescePass:

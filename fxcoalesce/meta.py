@@ -22,6 +22,19 @@ SLICED = "fxcoalesce_sliced"
 ``select(1, -1)``); part of the collective's description, so ranks compare it."""
 
 
+ORIGIN = "fxcoalesce_origin"
+"""Node meta key: on a collective of a graph the pipeline rewrote, what it carries in terms of
+the program's own collectives, named by their place in the program's issue sequence: "#3"
+(the program's collective #3 itself), "cat(#3,#5)" (a bucket), "sum(#1,0.5*#2)" (a sum of
+reductions), "select(1, -1)(#3)" (a slice). Part of the collective's description, so ranks
+compare what each collective carries, not only its shape: two buckets of one size can hold
+different members on different ranks."""
+
+
+def origin(node: Node) -> str:
+    return node.meta.get(ORIGIN, "?")
+
+
 def replaced(collectives) -> list[str]:
     """What a new collective replaces: the originals behind each of ``collectives``."""
     return [name for n in collectives for name in n.meta.get(REPLACES, [n.name])]

@@ -19,8 +19,8 @@ from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_modu
 
 from .analysis import analyze
 from .config import Config
-from .collectives import group_setup
-from .meta import REPLACES
+from .collectives import group_setup, is_collective
+from .meta import ORIGIN, REPLACES
 from .report import Report, build_report, record
 
 log = logging.getLogger("fxcoalesce")
@@ -60,14 +60,16 @@ def _gc_paused():
             gc.enable()
 
 
-def run_pipeline(gm: GraphModule, cfg: Config, *, name: str | None = None
+def run_pipeline(gm: GraphModule, cfg: Config, *, name: str | None = None, record: bool = True
                  ) -> tuple[GraphModule, Report]:
-    """Return the rewritten graph module and its report; ``gm`` itself is never modified."""
+    """Return the rewritten graph module and its report; ``gm`` itself is never modified.
+    ``record=False``: the caller records the report (``report.record``) if it keeps the graph."""
     with _gc_paused():
-        return _run_pipeline(gm, cfg, name=name)
+        return _run_pipeline(gm, cfg, name=name, record_report=record)
 
 
-def _run_pipeline(gm: GraphModule, cfg: Config, *, name: str | None) -> tuple[GraphModule, Report]:
+def _run_pipeline(gm: GraphModule, cfg: Config, *, name: str | None, record_report: bool
+                  ) -> tuple[GraphModule, Report]:
     from fxcoalesce.passes import PASSES, check_config
 
     check_config(cfg)
@@ -77,6 +79,8 @@ def _run_pipeline(gm: GraphModule, cfg: Config, *, name: str | None) -> tuple[Gr
     cfg.cost.check_setup(*group_setup(before.scan))  # a profile for another setup: raise
     analysis_ms = (time.perf_counter() - t0) * 1e3
     work = copy_graph_module(gm)
+    for i, n in enumerate(n for n in work.graph.nodes if is_collective(n)):
+        n.meta[ORIGIN] = f"#{i}"  # the program's own place: what ranks compare (meta.ORIGIN)
     timings, buckets, decisions, warnings = [], [], [], []
     fell_back = False
     try:
@@ -101,7 +105,8 @@ def _run_pipeline(gm: GraphModule, cfg: Config, *, name: str | None) -> tuple[Gr
                           analysis_ms=analysis_ms, fell_back=fell_back)
     # everything this call cost: analyses, copy, passes, lint, report (not the dump below)
     report.total_ms = round((time.perf_counter() - t0) * 1e3, 3)
-    record(report)
+    if record_report:
+        record(report)
     trace_artifacts(gm, work, report)
     if cfg.dump_dir:
         dump(cfg.dump_dir, name, gm, work, report)

@@ -1,35 +1,46 @@
-"""Compare the collective sequence of a compiled graph across ranks before it first runs.
+"""Compare the collective sequence of a compiled graph across the ranks of each group it uses.
 
-Ranks pair collectives by issue order. If their compiled graphs issue different sequences
-(graphs that differ by rank in a way the passes could not see), the job computes garbage
-or aborts far from the cause. With ``Config(check_ranks=True)`` (or
-``FXCOALESCE_CHECK_RANKS=1``) the backend wraps each compiled graph: on its first call, every
-rank all-gathers its sequence over each group the graph uses and raises
-:class:`CollectiveMismatchError` naming the first difference, before any data collective runs.
+Ranks pair collectives by issue order, and ranks' graphs can differ (Dynamo turns
+``dist.get_rank()`` into a constant). :func:`mismatch` is the one comparison the backend and
+``inductor_pass()`` make (see ``agreement``): over each group, every rank all-gathers a
+32-byte digest of its sequence on that group; only when the digests differ do the ranks
+exchange the sequences themselves, to name the first difference.
 
     rank 0: all_reduce(sum, 0) -> float32[4, 8], all_reduce(max, 0) -> float32[2, 3]
     rank 1: all_reduce(max, 0) -> float32[2, 3], all_reduce(sum, 0) -> float32[4, 8]
-    CollectiveMismatchError: ... collective #0: rank 0 issues all_reduce(sum, 0) -> ...
+    mismatch(...) == "group 0: collective #0: rank 0 issues all_reduce(sum, 0) -> ..."
+
+Plain tensor collectives only (no pickling, so no numpy), on the group's own device.
 """
 
 from __future__ import annotations
 
-import functools
+import contextlib
+import hashlib
 import logging
 
+import torch
 import torch.distributed as dist
 
 log = logging.getLogger("fxcoalesce")
+
+Sequence = list[tuple[str | None, str]]
+"""(group name, description) per collective, in issue order (``collectives.issue_sequence``)."""
 
 
 class CollectiveMismatchError(RuntimeError):
     """Ranks of one group would issue different collective sequences."""
 
 
-def groups_of(sequence: list[tuple[str | None, str]]) -> list[str]:
-    """Group names a sequence of (group, description) uses, in a rank-invariant order
-    (collectives of opaque ops name no group: they are compared within the others)."""
+def groups_of(sequence: Sequence) -> list[str]:
+    """Group names a sequence uses, in a rank-invariant order (collectives of opaque ops name
+    no group: they are compared within every group)."""
     return sorted({g for g, _ in sequence if g is not None})
+
+
+def on_group(sequence: Sequence, name: str) -> list[str]:
+    """The descriptions of the collectives that run on group ``name`` (and the opaque ones)."""
+    return [d for g, d in sequence if g in (name, None)]
 
 
 def first_difference(sequences: list[list[str]], ranks: list[int]) -> str | None:
@@ -46,70 +57,84 @@ def first_difference(sequences: list[list[str]], ranks: list[int]) -> str | None
     return None
 
 
-def has_peers(sequences: list[list[tuple[str | None, str]]]) -> bool:
-    """Do the graphs' collectives run over a real group of more than one rank?"""
+def _resolve(name: str):
     from torch.distributed.distributed_c10d import _resolve_process_group
 
-    for name in groups_of([item for seq in sequences for item in seq]):
+    return _resolve_process_group(name)
+
+
+def has_peers(sequence: Sequence) -> bool:
+    """Do the sequence's collectives run over a real group of more than one rank? (Not over a
+    fake group, whose "peers" never run.)"""
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    for name in groups_of(sequence):
         try:
-            group = _resolve_process_group(name)
-        except Exception:
+            group = _resolve(name)
+        except Exception:  # a name no group here has (hand-built graphs)
             continue
         if dist.get_backend(group) != "fake" and group.size() > 1:
             return True
     return False
 
 
-def mismatch(sequence: list[tuple[str | None, str]]) -> str | None:
-    """All-gather ``sequence`` over every group it uses; the first difference, or None."""
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    described = [f"{d} [group {g}]" for g, d in sequence]
-    for name in groups_of(sequence):
-        group = _resolve_process_group(name)
-        gathered: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, described, group=group)
-        problem = first_difference(gathered, dist.get_process_group_ranks(group))
-        if problem:
-            return f"group {name}: {problem}"
-    return None
+def _device(group) -> torch.device:
+    return (torch.device("cuda", torch.cuda.current_device())
+            if dist.get_backend(group) == "nccl" else torch.device("cpu"))
 
 
-def _raise(graph_name: str, problem: str) -> None:
-    raise CollectiveMismatchError(
-        f"fxcoalesce check_ranks: {graph_name} would issue different collective sequences on "
-        f"the ranks of {problem}. Ranks pair collectives by order, so this run would compute "
-        "wrong values or hang. The graphs differ between ranks in which collectives depend on "
-        "which (or in their sizes); make that rank-independent, or compile this code without "
-        "fxcoalesce.")
+@contextlib.contextmanager
+def _real_tensors():
+    """Real tensors even where a compile has a fake mode or other dispatch modes active."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with unset_fake_temporarily(), _disable_current_modes():
+        yield
 
 
-def checked(compiled, graph_name: str, sequences: list[list[tuple[str | None, str]]],
-            fallback=None):
-    """``compiled``, checked against the other ranks on its first call.
+def _all_gather(t: torch.Tensor, group) -> list[torch.Tensor]:
+    out = [torch.empty_like(t) for _ in range(group.size())]
+    dist.all_gather(out, t, group=group)
+    return [o.cpu() for o in out]
 
-    On a difference, ``fallback()`` (when given) must return ``(compiled, sequences)`` of a
-    graph whose sequence is rank-invariant by construction; every rank sees the same gathered
-    sequences, so all of them switch together. Without one, or if the fallback differs too,
-    :class:`CollectiveMismatchError` names the first difference.
-    """
-    state = {"fn": None}
 
-    @functools.wraps(compiled)
-    def run(*args, **kwargs):
-        if state["fn"] is None:
-            fn, seqs = compiled, sequences
-            problem = mismatch([item for seq in seqs for item in seq])
-            if problem and fallback is not None:
-                log.warning("fxcoalesce[%s]: ranks chose different collectives (%s); all "
-                            "ranks recompile with every group merged", graph_name, problem)
-                fn, seqs = fallback()
-                problem = mismatch([item for seq in seqs for item in seq])
-            if problem:
-                _raise(graph_name, problem)
-            state["fn"] = fn
-        return state["fn"](*args, **kwargs)
+def _gather_texts(text: str, group) -> list[str]:
+    device = _device(group)
+    data = torch.tensor(list(text.encode()), dtype=torch.uint8, device=device)
+    sizes = _all_gather(torch.tensor([data.numel()], dtype=torch.int64, device=device), group)
+    longest = max(int(s) for s in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[:data.numel()] = data
+    return [bytes(p[:int(s)].tolist()).decode() for p, s in zip(_all_gather(padded, group), sizes)]
 
-    if getattr(compiled, "_boxed_call", False):
-        run._boxed_call = True
-    return run
+
+def mismatch(sequence: Sequence) -> str | None:
+    """Compare ``sequence`` across the ranks of every group it uses (a collective call on
+    each, so every rank of those groups must call it at the same point); return the first
+    difference as a sentence, or None. A rank whose own groups agree but which shares a group
+    with one that saw a difference learns of it too, so all ranks decide alike."""
+    groups = groups_of(sequence)
+    problem = None
+    with _real_tensors():
+        for name in groups:
+            group = _resolve(name)
+            text = "\n".join(on_group(sequence, name))
+            digest = torch.tensor(list(hashlib.sha256(text.encode()).digest()), dtype=torch.uint8,
+                                  device=_device(group))
+            if all(torch.equal(d, digest.cpu()) for d in _all_gather(digest, group)):
+                continue
+            texts = [t.split("\n") if t else [] for t in _gather_texts(text, group)]
+            found = first_difference(texts, dist.get_process_group_ranks(group))
+            problem = problem or f"group {name}: {found}"
+        if len(groups) > 1:  # spread the verdict through every group, as far as they reach
+            flag = torch.tensor([int(problem is not None)], dtype=torch.int32)
+            for _ in groups:
+                for name in groups:
+                    group = _resolve(name)
+                    f = flag.to(_device(group))
+                    dist.all_reduce(f, dist.ReduceOp.MAX, group=group)
+                    flag = f.cpu()
+            if flag.item() and problem is None:
+                problem = "a group this rank shares with others saw a difference (see their log)"
+    return problem

@@ -38,14 +38,22 @@ class Report:
     warnings: list[str] = field(default_factory=list)
     fell_back: bool = False
     verdict: str = ""
+    agreement: dict = field(default_factory=dict)
+    """How the ranks agreed on this graph's collectives (``agreement.Agreement``); empty when
+    they did not need to compare."""
+    cache: str = ""
+    """"" when this process ran the passes; "hit" when Inductor's AOTAutograd cache served the
+    compiled graph and this report is the one saved beside it when it was compiled."""
 
     def to_json(self, **extra) -> str:
-        return json.dumps({**extra, **asdict(self)}, indent=2, default=str)
+        return json.dumps({**extra, **self.to_dict()}, indent=2, default=str)
 
-    @property
-    def local_decisions(self) -> bool:
-        """Did a choice read this rank's compute estimates (so ranks must agree on it)?"""
-        return any(d.get("local") for d in self.decisions)
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Report:
+        return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
 
     def summary(self) -> str:
         a = self.all_reduce
@@ -139,7 +147,8 @@ class ReportList(list):
                 "no fxcoalesce report recorded in this process: nothing was compiled through "
                 "fxcoalesce yet (torch.compile is lazy: call the compiled function first), or "
                 "Inductor's FX graph cache served the graph, which skips the inductor_pass() "
-                "route's pass (the backend route always runs it)")
+                "route's pass when no process group of several ranks is up (the backend "
+                "records a report for a cache hit too)")
         return super().__getitem__(i)
 
 

@@ -32,17 +32,36 @@ def check_config(cfg) -> None:
         raise ValueError(f"unknown pass name(s) {unknown}; known: {sorted(PASSES)}")
 
 
-RANK_INVARIANT_OFF = ("slice",)
-"""Passes whose rewrite rests on facts one rank's graph cannot check; off wherever ranks
-cannot compare their collectives at the first call (see ``compiler``)."""
+SEQUENCE_PRESERVING = ("schedule",)
+"""Passes that never change the collective sequence: they only move nodes, and keep the
+collectives in their current order (``graph_order.reorder`` chains them)."""
+
+READS_COMPUTE = ("slice", "linearity")
+"""Passes whose matches read compute around the collectives (the slice after a wait, the adds
+after the waits), which can differ between ranks."""
 
 
-def rank_invariant(cfg: Config) -> Config:
-    """``cfg`` without the choices one rank cannot make alone: no cost-model choices (every
-    group merges) and no pass in ``RANK_INVARIANT_OFF``. What the backend falls back to when
-    ranks disagree, and what ``inductor_pass()`` always runs."""
+def changes_sequence(cfg: Config) -> bool:
+    """Can the pipeline of ``cfg`` issue another collective sequence than the program's?"""
+    return any(p not in SEQUENCE_PRESERVING for p in cfg.enabled_passes)
+
+
+def without_compute_choices(cfg: Config) -> Config:
+    """``cfg`` without the choices that read compute: no cost-model choices (every group of
+    independent all_reduces merges) and no pass in ``READS_COMPUTE``. What is left rests on
+    collective-to-collective dependencies alone, which still can differ between ranks (a
+    branch on the rank), so ranks still compare (``agreement``)."""
     return replace(cfg, slack_aware=False,
-                   disable=tuple(dict.fromkeys((*cfg.disable, *RANK_INVARIANT_OFF))))
+                   disable=tuple(dict.fromkeys((*cfg.disable, *READS_COMPUTE))))
 
-__all__ = ["PASSES", "PassResult", "RANK_INVARIANT_OFF", "bucket_pass", "check_config",
-           "linearity_pass", "rank_invariant", "schedule_pass", "slice_pass"]
+
+def program_order(cfg: Config) -> Config:
+    """``cfg`` with only the passes in ``SEQUENCE_PRESERVING``: the program's own collective
+    sequence, the same on every rank whenever the program's is. The last fallback."""
+    off = [p for p in PASSES if p not in SEQUENCE_PRESERVING]
+    return replace(cfg, slack_aware=False, disable=tuple(dict.fromkeys((*cfg.disable, *off))))
+
+
+__all__ = ["PASSES", "PassResult", "READS_COMPUTE", "SEQUENCE_PRESERVING", "bucket_pass",
+           "changes_sequence", "check_config", "linearity_pass", "program_order", "schedule_pass",
+           "slice_pass", "without_compute_choices"]

@@ -29,7 +29,8 @@ from fxcoalesce.analysis import Analysis, BlockInfo, analyze
 from fxcoalesce.collectives import ALL_REDUCE, WAIT
 from fxcoalesce.config import Config
 from fxcoalesce.graph_order import reorder
-from fxcoalesce.meta import REPLACES, fake_mode_of, propagate_val, replaced, storage_of
+from fxcoalesce.meta import (ORIGIN, REPLACES, fake_mode_of, origin, propagate_val, replaced,
+                             storage_of)
 
 from .decide import Decider
 from .result import Bucket, PassResult
@@ -119,6 +120,7 @@ def _fuse(gm: GraphModule, group: list[BlockInfo], floor: Node | None, mode,
     key = blocks[0].key
     fused = emit(ALL_REDUCE, cat, key.op, key.group)
     fused.meta[REPLACES] = replaced(b.collective for b in blocks)
+    fused.meta[ORIGIN] = f"cat({','.join(origin(b.collective) for b in blocks)})"
     wait = emit(WAIT, fused)
     parts = emit(aten.split_with_sizes.default, wait, numels)
     for i, (b, shape) in enumerate(zip(blocks, shapes)):

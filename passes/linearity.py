@@ -31,7 +31,8 @@ from fxcoalesce.analysis import analyze
 from fxcoalesce.collectives import ALL_REDUCE, WAIT, CommBlock
 from fxcoalesce.config import Config
 from fxcoalesce.graph_order import reorder
-from fxcoalesce.meta import REPLACES, fake_mode_of, propagate_val, replaced, tensor_val
+from fxcoalesce.meta import (ORIGIN, REPLACES, fake_mode_of, origin, propagate_val, replaced,
+                             tensor_val)
 
 from .decide import Decider
 from .result import Bucket, PassResult
@@ -179,6 +180,10 @@ def linearity_pass(gm: GraphModule, *, cfg: Config) -> PassResult:
             partial = emit.combination([(b.input, leaves[b.wait]) for b in blocks])
             fused = emit(ALL_REDUCE, partial, key.op, key.group)
             fused.meta[REPLACES] = replaced(b.collective for b in blocks)
+            # the coefficients too: a scale one rank alone applies must not be summed across
+            fused.meta[ORIGIN] = "sum({})".format(",".join(
+                origin(b.collective) if leaves[b.wait] == 1 else
+                f"{leaves[b.wait]!r}*{origin(b.collective)}" for b in blocks))
             # issued as soon as its last partial is ready; waited for where the root was
             last = max(priority[b.input] for b in blocks)
             issue = emit.new[start:]

@@ -25,7 +25,7 @@ from torch.fx import GraphModule, Node
 from fxcoalesce.analysis import analyze
 from fxcoalesce.collectives import ALL_REDUCE, WAIT
 from fxcoalesce.config import Config
-from fxcoalesce.meta import REPLACES, SLICED, fake_mode_of, propagate_val, replaced
+from fxcoalesce.meta import ORIGIN, REPLACES, SLICED, fake_mode_of, origin, propagate_val, replaced
 
 from .result import Bucket, PassResult
 
@@ -60,6 +60,7 @@ def slice_pass(gm: GraphModule, *, cfg: Config) -> PassResult:
             propagate_val(n, mode)
         fused.meta[REPLACES] = replaced([block.collective])
         fused.meta[SLICED] = f"{use.target._opname}{tuple(use.args[1:])}"
+        fused.meta[ORIGIN] = f"{fused.meta[SLICED]}({origin(block.collective)})"
         use.replace_all_uses_with(wait)
         for n in (use, block.wait, block.collective):
             graph.erase_node(n)

@@ -1,8 +1,20 @@
 """Shared test fixtures."""
 
+import atexit
+import os
+import shutil
+import tempfile
+
 import pytest
 import torch
 import torch.distributed as dist
+
+# Inductor caches compiles (fxcoalesce's too): one fresh cache for the whole run, shared by the
+# ranks and subprocesses the tests start, so a run neither reads an earlier run's entries nor
+# leaves its own in the machine's default cache directory.
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="fxcoalesce-tests-")
+    atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], True)
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -23,7 +23,7 @@ from fxcoalesce.compiler import source_files, source_fingerprint
 from fxcoalesce.passes import PASSES
 
 TESTS = Path(__file__).parent
-backend_mod = importlib.import_module("fxcoalesce.compiler")
+compile_cache = importlib.import_module("fxcoalesce.compile_cache")
 
 
 def diamond() -> GraphModule:
@@ -139,7 +139,7 @@ def test_uuid_changes_with_pass_source(tmp_path, monkeypatch):
     # the fingerprint covers the core and the passes, by name and text
     assert {"analysis.py", "bucket.py", "schedule.py"} <= {p.name for p in files}
     assert source_fingerprint(files) == real
-    monkeypatch.setattr(backend_mod, "source_files", lambda: files)
+    monkeypatch.setattr(compile_cache, "source_files", lambda: files)
     before = inductor_pass(Config()).uuid()
     bucket = next(p for p in files if p.name == "bucket.py")
     bucket.write_text(bucket.read_text() + "\n# changed\n")

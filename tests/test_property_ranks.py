@@ -3,9 +3,13 @@
 Hypothesis draws a *program* (ops over a few n x n inputs; all_reduces of two or three
 keys) and, for each of 8 ranks, its own compute: an add of a rank's constant or of an input,
 or a chain of identity ops, on a value or on what one op reads (a bias one rank adds right
-before an all_reduce), and a rank's own topological order of the compute (the all_reduces
-keep their program order: that is what ranks agree on). None of it changes which
-all_reduce depends on which. Each rank's graph goes through ``run_pipeline``;
+before an all_reduce), a dependency one rank adds (an op reads ``x + 0 * v`` of an earlier
+value ``v``: a branch on the rank that makes one all_reduce read another), and a rank's own
+topological order of the compute (the all_reduces keep their program order: that is what
+ranks agree on). The program's own collective sequence is the same on every rank; what the
+passes read (adds after a wait, dependencies between all_reduces) is not, so ranks compare
+and fall back together as the backend does (``agreement``). Each rank's graph goes through
+``run_pipeline``;
 :mod:`simulate` runs the 8 originals and the 8 rewritten graphs in lockstep and checks, on
 every rank: launches never rise; they reach the bound unless a cap or interlocked keys
 split a level; outputs are unchanged (small-integer data: exact); every rank issues the
@@ -23,8 +27,9 @@ program's sequence (a fused bucket sits after its last member's input, which a r
 extra compute moves past another group's all_reduce; ~4% fail). Either way some rank
 issues another collective first (``CollectiveMismatch``) or, when the swapped ones look
 alike, reduces the wrong tensors (outputs differ). The default 150 examples found both in
-every seed tried. Not covered, and failing (strict xfail at the end): compute that makes
-a rank leave an all_reduce alone, or adds a side effect (a barrier) on one rank only.
+every seed tried. The agreement also resolves what makes one rank analyse its graph
+differently (it alone leaves an all_reduce alone, or has a side effect between two): the
+tests at the end.
 """
 
 from __future__ import annotations
@@ -43,7 +48,8 @@ from torch.fx import GraphModule, Node
 
 import fxcoalesce
 from fxcoalesce.collectives import issue_sequence
-from fxcoalesce.passes import rank_invariant
+from fxcoalesce.agreement import ladder
+from fxcoalesce.passes import changes_sequence
 
 aten = torch.ops.aten
 WORLD = 8
@@ -84,8 +90,11 @@ class Extra:
     """Applied to op ``target``'s first input only, right before the op (else right after
     the value, for every reader)."""
     kind: str
-    """"const" (add a rank's constant), "bias" (add an input), "identity" (mul by 1)."""
+    """"const" (add a rank's constant), "bias" (add an input), "identity" (mul by 1), "dep"
+    (add 0 * an earlier value: a dependency only; ``read`` is always true for it)."""
     param: int
+    """The constant's factor, the input, the identity count, or (dep) the value read: an
+    index taken modulo the values computed before the op."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,7 +156,10 @@ def programs(draw) -> Program:
     reducers = [i for i, op in enumerate(ops) if op.kind == "ar"]
     on_read = st.builds(Extra, target=st.sampled_from(reducers) | st.integers(0, len(ops) - 1),
                         read=st.just(True), **compute)
-    extra = on_read | on_value
+    # a dependency a rank adds, mostly from an earlier all_reduce's result to a later one
+    on_dep = st.builds(Extra, target=st.sampled_from(reducers) | st.integers(0, len(ops) - 1),
+                       read=st.just(True), kind=st.just("dep"), param=st.integers(0, 2**8))
+    extra = on_read | on_value | on_dep
     own = st.builds(RankCompute, st.lists(extra, min_size=1, max_size=3).map(tuple),
                     st.none() | st.integers(0, 2**16))
     ranks = tuple(draw(st.just(RankCompute()) | own) for _ in range(WORLD))
@@ -156,12 +168,21 @@ def programs(draw) -> Program:
 
 # --- one rank's graph ---
 
-def op_order(p: Program, seed: int | None) -> list[int]:
-    """The ops in a random topological order; all_reduces stay in program order."""
-    if seed is None:
+def dep_value(p: Program, e: Extra) -> int:
+    """The value a "dep" extra makes op ``e.target`` read: one computed before it."""
+    return e.param % (p.inputs + e.target)
+
+
+def op_order(p: Program, own: RankCompute) -> list[int]:
+    """The ops in a random topological order (of the program's dependencies and the rank's
+    own); all_reduces stay in program order."""
+    if own.order is None:
         return list(range(len(p.ops)))
-    rng = random.Random(seed)
+    rng = random.Random(own.order)
     deps = {i: {a - p.inputs for a in op.args if a >= p.inputs} for i, op in enumerate(p.ops)}
+    for e in own.extras:
+        if e.kind == "dep" and dep_value(p, e) >= p.inputs:
+            deps[e.target].add(dep_value(p, e) - p.inputs)
     for a, b in itertools.pairwise(i for i, op in enumerate(p.ops) if op.kind == "ar"):
         deps[b].add(a)
     order: list[int] = []
@@ -211,11 +232,14 @@ def rank_constant(e: Extra, rank: int) -> float:
     return float((rank * e.param) % 3)
 
 
-def emit_extra(b: GraphBuilder, x: Node, e: Extra, rank: int, inputs: list[Node]) -> Node:
+def emit_extra(b: GraphBuilder, x: Node, e: Extra, rank: int, inputs: list[Node],
+               read: Node | None = None) -> Node:
     if e.kind == "const":
         return b.call(aten.add.Tensor, x, rank_constant(e, rank))
     if e.kind == "bias":
         return b.add(x, inputs[e.param % len(inputs)])
+    if e.kind == "dep":
+        return b.add(x, b.call(aten.mul.Tensor, read, 0.0))
     for _ in range(e.param):
         x = b.call(aten.mul.Tensor, x, 1.0)
     return x
@@ -235,12 +259,13 @@ def build_rank(p: Program, rank: int) -> GraphModule:
 
     for i, x in enumerate(inputs):
         bind(i, x)
-    for i in op_order(p, own.order):
+    for i in op_order(p, own):
         op = p.ops[i]
         args = [vals[a] for a in op.args]
         for e in own.extras:
             if e.read and e.target == i:
-                args[0] = emit_extra(b, args[0], e, rank, inputs)
+                read = vals[dep_value(p, e)] if e.kind == "dep" else None
+                args[0] = emit_extra(b, args[0], e, rank, inputs, read)
         bind(p.inputs + i, emit(b, op, args, p.n))
     used = {a for op in p.ops if op.kind != "skip" for a in op.args}
     return b.build(*(vals[p.inputs + i] for i, op in enumerate(p.ops)
@@ -252,14 +277,17 @@ def rank_inputs(p: Program, rank: int) -> list[torch.Tensor]:
     return [torch.randint(0, 5, (p.n, p.n), generator=gen).double() for _ in range(p.inputs)]
 
 
-def oracle_bound(p: Program) -> int:
-    """Sum over keys of the longest chain of same-key all_reduces, read off the program."""
+def oracle_bound(p: Program, rank: int) -> int:
+    """Sum over keys of the longest chain of same-key all_reduces, read off the program and
+    the dependencies rank ``rank`` adds."""
     above: list[set[int]] = [set() for _ in range(p.inputs)]  # all_reduces each value follows
     level: dict[int, int] = {}
     key = {i: (op.reduce.op, op.reduce.group, op.reduce.dtype)
            for i, op in enumerate(p.ops) if op.kind == "ar"}
+    deps = [e for e in p.ranks[rank].extras if e.kind == "dep"]
     for i, op in enumerate(p.ops):
-        anc = set().union(*(above[a] for a in op.args))
+        reads = [*op.args, *(dep_value(p, e) for e in deps if e.target == i)]
+        anc = set().union(*(above[a] for a in reads))
         if op.kind == "ar":
             level[i] = 1 + max((level[j] for j in anc if key[j] == key[i]), default=0)
             anc.add(i)
@@ -296,46 +324,46 @@ def graph_key(p: Program, rank: int) -> tuple:
     return own, tuple(rank_constant(e, rank) for e in own.extras if e.kind == "const")
 
 
-def agree(p: Program, ranks: list, cfg: fxcoalesce.Config):
-    """The backend's first-call agreement (``rank_check``): if the rewritten graphs issue
-    different sequences, every rank recompiles with ``rank_invariant(cfg)``. A difference is
-    only allowed where some rank made a local choice (cost model, slice); returns (ranks,
-    the config they ran, whether they fell back)."""
-    sequences = [issue_sequence(out.graph) for _, out, _ in ranks]
-    if all(seq == sequences[0] for seq in sequences):
-        return ranks, cfg, False
-    assert any(report.local_decisions for *_, report in ranks), "differ with no local choice"
-    cfg = rank_invariant(cfg)
+def build_ranks(p: Program, cfg: fxcoalesce.Config) -> list[tuple]:
+    """(original, rewritten, report) per rank; ranks with equal graphs share one build."""
     built: dict[tuple, tuple] = {}
     for r in range(WORLD):
         if (k := graph_key(p, r)) not in built:
             gm = build_rank(p, r)
             built[k] = (gm, *fxcoalesce.run_pipeline(gm, cfg))
-    return [built[graph_key(p, r)] for r in range(WORLD)], cfg, True
+    return [built[graph_key(p, r)] for r in range(WORLD)]
+
+
+def agree(p: Program, ranks: list, cfg: fxcoalesce.Config):
+    """The backend's compile-time agreement (``agreement.agree``), simulated: the ranks take
+    the first step of ``ladder(cfg)`` on which every rank issues one sequence. Returns (ranks,
+    the config they ran, whether they fell back)."""
+    if not changes_sequence(cfg):  # no rank compares: the passes must keep the program's
+        return ranks, cfg, False
+    for i, step in enumerate(ladder(cfg)):
+        if i:
+            ranks = build_ranks(p, step.config)
+        sequences = [issue_sequence(out.graph) for _, out, _ in ranks]
+        if all(seq == sequences[0] for seq in sequences):
+            return ranks, step.config, i > 0
+    raise AssertionError("the program's own sequences differ: the generator is wrong")
 
 
 def check_program(p: Program, cfg: fxcoalesce.Config) -> list[str]:
     """Assert the property for one program; return labels for hypothesis's statistics."""
     fxcoalesce.clear_reports()
-    built: dict[tuple, tuple] = {}
-    for r in range(WORLD):
-        if (k := graph_key(p, r)) not in built:
-            gm = build_rank(p, r)
-            built[k] = (gm, *fxcoalesce.run_pipeline(gm, cfg))
-    ranks = [built[graph_key(p, r)] for r in range(WORLD)]
-    ranks, cfg, fell_back = agree(p, ranks, cfg)
+    ranks, cfg, fell_back = agree(p, build_ranks(p, cfg), cfg)
     inputs = [rank_inputs(p, r) for r in range(WORLD)]
     # the program keeps one sequence on every rank before any pass (else the test is wrong)
     want = simulate([gm for gm, _, _ in ranks], inputs)
     # (d) the rewritten graphs issue one sequence: simulate raises at the first difference
     got = simulate([out for _, out, _ in ranks], inputs)
-    oracle = oracle_bound(p)
     bucketing = "bucket" in cfg.enabled_passes
     for r, (gm, out, report) in enumerate(ranks):
         a = report.all_reduce
         bound = a["lower_bound"] + a["left_alone"]
         # the analysis sees the program's dependencies whatever a rank's extra compute
-        assert a["left_alone"] or a["lower_bound"] == oracle
+        assert a["left_alone"] or a["lower_bound"] == oracle_bound(p, r)
         # (a) launches never rise, and never beat the bound
         assert bound <= a["after"] <= a["before"] == len(want.issued)
         # (b) the bound is reached when bucketing runs and neither the cap nor interlocked
@@ -355,7 +383,7 @@ def check_program(p: Program, cfg: fxcoalesce.Config) -> list[str]:
         ("merged", a["after"] < a["before"]), ("interlocked", interlocked),
         ("capped", bucketing and capped), ("left alone", a["left_alone"]),
         ("ranks agreed by falling back", fell_back),
-        (f"{len(built)} distinct rank graphs", True)] if seen]
+        (f"{len({graph_key(p, r) for r in range(WORLD)})} distinct rank graphs", True)] if seen]
 
 
 @st.composite
@@ -427,6 +455,28 @@ KNOWN = {
                        Op("skip", (0,), None), Op("ar", (0,), SUM0)),
                 (RankCompute(),) * WORLD),
         fxcoalesce.Config(strict=True)),
+    # issue 14 §1 (the slow run, shrunk): rank 7 adds a constant to AR(x0) before it is summed
+    # with AR(x1); linearity sums the two on ranks 0-6 only, so ranks 0-6 issued a float64[8]
+    # bucket, rank 7 a float64[12]. Now the ranks compare and merge without linearity.
+    "const_after_wait_linearity": (
+        Program(2, 2, (Op("ar", (0,), SUM0), Op("ar", (1,), SUM0), Op("add", (2, 3)),
+                       Op("ar", (0,), SUM0)),
+                plain_but_last(Extra(2, False, "const", 1))),
+        fxcoalesce.Config(strict=True)),
+    # a branch on the rank: rank 7's second sum reads the first, so ranks 0-6 bucket the
+    # two and rank 7 cannot; only the program's own order agrees
+    "dependency_by_rank": (
+        Program(2, 2, (Op("ar", (0,), SUM0), Op("ar", (1,), SUM0)),
+                plain_but_last(Extra(1, True, "dep", 2))),
+        fxcoalesce.Config(strict=True)),
+    # the slow run, shrunk: rank 7's second sum reads the first, and a cap of two members
+    # per bucket makes ranks 0-6 issue cat(#0,#1), #2 and rank 7 cat(#0,#2), #1: the same
+    # dtypes and shapes, so a comparison of shapes alone passed and rank 7 summed the wrong
+    # tensors. Ranks now compare what each collective carries (``meta.ORIGIN``).
+    "same_shapes_other_members": (
+        Program(2, 2, (Op("ar", (0,), SUM0), Op("ar", (0,), SUM0), Op("ar", (1,), SUM0)),
+                plain_but_last(Extra(1, True, "dep", 2))),
+        fxcoalesce.Config(strict=True, bucket_cap_mb=64 / 2**20)),
 }
 
 
@@ -461,7 +511,7 @@ def test_simulate_reduces_and_reports_mismatch():
         simulate([gm, swapped], inputs)
 
 
-# --- known gaps: rank-dependent facts that the passes do read (strict xfail until fixed) ---
+# --- rank-dependent analysis: the passes alone differ, the agreement resolves it ---
 
 def in_place_read_again(rank: int) -> GraphModule:
     """Two independent in-place sums; rank 0 also reads the first buffer after its
@@ -486,14 +536,21 @@ def side_effect_between(rank: int) -> GraphModule:
     return b.build(first, b.all_reduce(b.call(aten.mul.Tensor, y, 3.0)))
 
 
-@pytest.mark.xfail(strict=True, raises=CollectiveMismatch,
-                   reason="which all_reduces are analysed, and where barriers sit, are read "
-                          "from each rank's own compute: rank 0 issues 2 launches, the rest 1")
 @pytest.mark.parametrize("build", [in_place_read_again, side_effect_between])
-def test_rank_dependent_analysis(build):
+def test_agreement_resolves_rank_dependent_analysis(build):
     gms = [build(r) for r in range(WORLD)]
     inputs = [[torch.full((2, 2), float(r + i), dtype=torch.float64) for i, _ in enumerate(
         gms[r].graph.find_nodes(op="placeholder"))] for r in range(WORLD)]
-    simulate(gms, inputs)  # the originals agree
-    simulate([fxcoalesce.run_pipeline(gm, fxcoalesce.Config(strict=True))[0] for gm in gms],
-             inputs)
+    want = simulate(gms, inputs)  # the originals agree
+    cfg = fxcoalesce.Config(strict=True)
+    # the passes alone: rank 0 issues 2 launches, the other ranks 1
+    with pytest.raises(CollectiveMismatch):
+        simulate([fxcoalesce.run_pipeline(gm, cfg)[0] for gm in gms], inputs)
+    # the agreement's ladder: the first step on which all ranks issue one sequence
+    for step in ladder(cfg):
+        outs = [fxcoalesce.run_pipeline(gm, step.config)[0] for gm in gms]
+        if len({tuple(issue_sequence(o.graph)) for o in outs}) == 1:
+            break
+    got = simulate(outs, inputs)
+    for w, g in zip(want.outputs, got.outputs, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(w, g, strict=True))

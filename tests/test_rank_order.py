@@ -261,3 +261,64 @@ def test_rank_invariant_slice_stays_sliced():
     for r in res:
         assert r["bytes_after"] == [64]
         torch.testing.assert_close(r["got"][0], r["want"][0])
+
+
+# --- issue 14 §1: what a rewrite reads can differ between ranks, while the program's own
+# collective sequence is the same. Every route compares and falls back together. ---
+
+def const_after_wait(x, y, bias):
+    """One rank adds a constant to an all_reduce's result before it is summed with another's:
+    linearity sums AR(a * 0.5) + AR(x) on rank 0 but not on rank 1 (the add reads c + 1 there),
+    so the ranks' buckets differ (before: CollectiveMismatchError, or gloo aborting)."""
+    a = ar(x * 3)
+    b = ar(a * 0.5)
+    c = ar(x)
+    if dist.get_rank() == 1:
+        c = c + 1.0
+    return b + c, ar(x * 2.0)
+
+
+def dependency_by_rank(x, y, bias):
+    """A branch on the rank makes the second all_reduce read the first on rank 0 only: rank 1
+    buckets the two, rank 0 cannot (before: every route hung until gloo's timeout)."""
+    a, b = x * 2, x * 3
+    c = ar(a * 3)
+    src = c * 2 if dist.get_rank() == 0 else b * 2
+    return c, ar(src)
+
+
+ROUTES = ("backend", "merge-all", "inductor_pass")
+AGREED_STEP = {"const_after_wait": "without the choices that read compute",
+               "dependency_by_rank": "in the program's own collective order"}
+
+
+def _route_run(rank, world, name, route):
+    torch.set_num_threads(1)
+    fn = {"const_after_wait": const_after_wait, "dependency_by_rank": dependency_by_rank}[name]
+    fxcoalesce.clear_reports()
+    torch._dynamo.reset()
+    if route == "inductor_pass":
+        torch._inductor.config.post_grad_custom_post_pass = fxcoalesce.inductor_pass()
+        compiled = torch.compile(fn, backend="inductor", fullgraph=True)
+    else:
+        cfg = fxcoalesce.Config(codegen="eager", slack_aware=route == "backend")
+        compiled = torch.compile(fn, backend=fxcoalesce.backend(cfg), fullgraph=True)
+    with torch.no_grad():
+        got = compiled(*_inputs(rank))
+    [report] = fxcoalesce.reports()
+    return {"got": got, "want": eager(fn, _inputs(rank)), "agreement": report.agreement,
+            "after": report.all_reduce["after"]}
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("name", list(AGREED_STEP))
+def test_ranks_fall_back_together(name, route):
+    res = spawn(_route_run, 2, (name, route), backend="gloo", timeout=300)
+    for r in res:
+        # the ranks compared, saw the difference, and took the same fallback step ...
+        assert r["agreement"]["compared"] and r["agreement"]["step"] == AGREED_STEP[name], r
+        assert len(r["agreement"]["differences"]) >= 1
+        # ... so they pair the same collectives and compute what eager computes
+        for got, want in zip(r["got"], r["want"], strict=True):
+            torch.testing.assert_close(got, want)
+    assert res[0]["after"] == res[1]["after"]

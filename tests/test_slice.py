@@ -31,10 +31,11 @@ def test_select_after_reduce_reduces_the_selection():
 
 
 def test_the_slice_is_part_of_the_issue_sequence():
-    """Ranks compare sequences at the first call; a rank-dependent slice must show there."""
+    """Ranks compare sequences at compile time; a rank-dependent slice must show there, with
+    the program's collective it reduces (#0)."""
     out, _ = run_pipeline(last_token_graph(), SLICE_ONLY)
     ((_, described),) = issue_sequence(out.graph)
-    assert described.endswith("of select(1, -1)")
+    assert described.endswith("<- select(1, -1)(#0)")
 
 
 def test_max_is_sliced_too():
