@@ -41,6 +41,14 @@ OTHER_COLLECTIVES = {
     c10d.broadcast.default: "broadcast",
     c10d.broadcast_.default: "broadcast",
 }
+LOWERED = {
+    "symm_mem::one_shot_all_reduce": "one_shot",
+    "symm_mem::two_shot_all_reduce_": "two_shot",
+    "fxcoalesce::all_reduce_add_rms_norm": "fused_add_rms_norm",
+}
+"""The implementations the ``lower`` and ``fuse_norm`` passes put in an all_reduce's place, by
+op name: each is its own wait (it returns the reduced value), on a group named by its
+``group_name`` argument."""
 COMM_WORDS = ("all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter",
               "all_to_all", "alltoall", "broadcast")
 UNHINTED_SIZE = 4096
@@ -77,6 +85,9 @@ class CommBlock:
     copy_back: Node | None
     ordinal: int
     """Place of the collective in the graph's issue sequence (rank-invariant)."""
+    impl: str = "nccl"
+    """"nccl" (the functional collective and its wait), or a ``LOWERED`` implementation, whose
+    ``collective`` and ``wait`` are one node. Only NCCL blocks are merged or rewritten."""
 
     @property
     def numel(self) -> int | torch.SymInt:
@@ -116,8 +127,17 @@ def op_of(node: Node):
     return target
 
 
+def lowered_impl(node: Node) -> str | None:
+    """The ``LOWERED`` implementation ``node`` runs, or None."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return None
+    return LOWERED.get(target._schema.name)
+
+
 def is_all_reduce(node: Node) -> bool:
-    return node.op == "call_function" and op_of(node) in (ALL_REDUCE, ALL_REDUCE_)
+    return node.op == "call_function" and (op_of(node) in (ALL_REDUCE, ALL_REDUCE_)
+                                           or lowered_impl(node) is not None)
 
 
 def _looks_like_comm(node: Node) -> bool:
@@ -161,8 +181,22 @@ def _arg(node: Node, i: int, name: str):
     return node.args[i] if len(node.args) > i else node.kwargs.get(name)
 
 
+def _lowered_block(node: Node, ordinal: int, impl: str) -> CommBlock | str:
+    inp, group, val = node.args[0], group_of(node), tensor_val(node.args[0])
+    if group is None or val is None:
+        return f"{impl} all_reduce without a group name or input metadata"
+    op = node.args[1] if impl != "fused_add_rms_norm" else "sum"
+    shape = tuple(val.shape)
+    return CommBlock(collective=node, wait=node, input=inp,
+                     key=Key(group=group, op=str(op), dtype=val.dtype, device=str(val.device)),
+                     shape=shape, nbytes=numel(size_hint(s) for s in shape) * val.element_size(),
+                     inplace=False, copy_back=None, ordinal=ordinal, impl=impl)
+
+
 def _block_or_reason(node: Node, ordinal: int, order: dict[Node, int], sharing: dict
                      ) -> CommBlock | str:
+    if (impl := lowered_impl(node)) is not None:
+        return _lowered_block(node, ordinal, impl)
     inp = _arg(node, 0, "input")
     op, group = _arg(node, 1, "reduce_op"), _arg(node, 2, "group_name")
     if not isinstance(inp, Node):

@@ -23,6 +23,7 @@ from .collectives import find_comm_blocks, issue_sequence
 from .compile_cache import source_fingerprint, source_files  # noqa: F401 (re-exported)
 from .config import Config
 from .graph_compile import GraphCompile
+from .lowering import symm_problem
 from .pipeline import next_graph_name, run_pipeline
 from .report import record
 
@@ -166,13 +167,21 @@ class FxCoalescePass(CustomGraphPass):
             new, report = run_pipeline(gm, config, name=name, record=False)
             return (new, report), issue_sequence(new.graph)
 
-        if must_compare(program, find_comm_blocks(gm.graph).all_reduce_count, self.config,
-                        self.check_ranks):
-            (new, report), agreement = agree(name, self.config, build,
-                                             check_ranks=self.check_ranks)
-        else:
-            (new, report), agreement = build(self.config)[0], Agreement()
+        cfg, notes = self.config, []
+        while True:
+            if must_compare(program, find_comm_blocks(gm.graph).all_reduce_count, cfg,
+                            self.check_ranks):
+                (new, report), agreement = agree(name, cfg, build, check_ranks=self.check_ranks)
+            else:
+                (new, report), agreement = build(cfg)[0], Agreement()
+            problem = symm_problem(issue_sequence(new.graph)) if cfg.lower else None
+            if problem is None:
+                break
+            notes.append(f"symmetric memory cannot be used ({problem}); every rank keeps its "
+                         "all_reduces on NCCL")
+            cfg = replace(cfg, lower=False)
         report.agreement = agreement.as_dict()
+        report.warnings += notes
         record(report)
         if new is not gm and not report.fell_back:
             replace_graph(graph, new.graph)

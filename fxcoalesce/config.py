@@ -6,12 +6,13 @@ every entry point calls, so a typo fails when the backend is made, not at the fi
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-DEFAULT_PASSES = ("slice", "linearity", "bucket", "schedule")
+DEFAULT_PASSES = ("slice", "linearity", "bucket", "fuse_norm", "lower", "schedule")
 
 
 class ProfileError(ValueError):
@@ -25,6 +26,28 @@ class Segment:
     up_to_bytes: int
     alpha_us: float
     beta_us_per_byte: float
+
+
+def _piecewise(segments, alpha_us: float, beta_us_per_byte: float, nbytes: int) -> float:
+    for seg in segments:
+        if nbytes <= seg.up_to_bytes:
+            return seg.alpha_us + seg.beta_us_per_byte * nbytes
+    last = segments[-1] if segments else None
+    return (last.alpha_us + last.beta_us_per_byte * nbytes if last is not None
+            else alpha_us + beta_us_per_byte * nbytes)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ImplCurve:
+    """Measured time of one all_reduce implementation other than NCCL (``calibrate`` on GPUs):
+    piecewise alpha-beta up to ``max_bytes``, the largest size it was measured at (and its
+    buffers sized for); past it the implementation is not chosen."""
+
+    segments: tuple[Segment, ...]
+    max_bytes: int
+
+    def us(self, nbytes: int) -> float:
+        return _piecewise(self.segments, 0.0, 0.0, nbytes)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -43,13 +66,17 @@ class CommProfile:
     nccl_mode: str | None = None
     source: str = ""
     """Where it was read from."""
+    implementations: tuple[tuple[str, ImplCurve], ...] = ()
+    """Curves of the other implementations measured (``one_shot``, ``two_shot``,
+    ``fused_add_rms_norm``); a profile without them (older ones, CPU ones) is NCCL only."""
+    digest: str = ""
+    """sha256 of the profile file's content: ranks compare it (a lowered collective names it)."""
 
     def all_reduce_us(self, nbytes: int) -> float:
-        for seg in self.segments:
-            if nbytes <= seg.up_to_bytes:
-                return seg.alpha_us + seg.beta_us_per_byte * nbytes
-        last = self.segments[-1] if self.segments else self
-        return last.alpha_us + last.beta_us_per_byte * nbytes
+        return _piecewise(self.segments, self.alpha_us, self.beta_us_per_byte, nbytes)
+
+    def curve(self, impl: str) -> ImplCurve | None:
+        return dict(self.implementations).get(impl)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -100,6 +127,31 @@ class CostModel:
         """The part of a collective of ``t_us`` hidden by ``window_us`` of compute."""
         return self.overlap_efficiency * max(0.0, min(t_us, window_us))
 
+    def impl_us(self, impl: str, nbytes: int, world_size: int) -> float | None:
+        """Predicted time of one all_reduce of ``nbytes`` run by ``impl`` ("nccl" is
+        :meth:`all_reduce_us`); None when the profile has no curve for ``impl`` or ``nbytes``
+        is past the largest size it was measured at (:meth:`impl_missing` says which)."""
+        if impl == "nccl":
+            return self.all_reduce_us(nbytes, world_size)
+        curve = self.profile.curve(impl) if self.profile is not None else None
+        if curve is None or nbytes > curve.max_bytes:
+            return None
+        return curve.us(nbytes)
+
+    def impl_missing(self, impl: str, nbytes: int) -> str | None:
+        """Why :meth:`impl_us` has no prediction for ``impl`` at ``nbytes`` (None if it has)."""
+        if impl == "nccl":
+            return None
+        curve = self.profile.curve(impl) if self.profile is not None else None
+        if curve is None:
+            where = f"the profile {self.profile.source}" if self.profile else "no cost profile"
+            return (f"{where} has no {impl} curve (fxcoalesce calibrate --device cuda "
+                    "measures it)")
+        if nbytes > curve.max_bytes:
+            return (f"{nbytes} B is past the largest size calibrated for {impl} "
+                    f"({curve.max_bytes} B)")
+        return None
+
     def all_reduce_us(self, nbytes: int, world_size: int) -> float:
         """Predicted time of one all_reduce of ``nbytes`` over ``world_size`` ranks."""
         if self.profile is not None:
@@ -129,6 +181,11 @@ class CostModel:
         return cls(**_read_profile(Path(path)))
 
 
+def _segments(rows) -> tuple[Segment, ...]:
+    return tuple(Segment(up_to_bytes=int(s["up_to_bytes"]), alpha_us=float(s["alpha_us"]),
+                         beta_us_per_byte=float(s["beta_us_per_byte"])) for s in rows)
+
+
 def _read_profile(path: Path) -> dict:
     hint = "make one with `fxcoalesce calibrate --tp N --out PATH`"
     if not path.is_file():
@@ -142,14 +199,17 @@ def _read_profile(path: Path) -> dict:
         missing = sorted(need - set(data)) if isinstance(data, dict) else sorted(need)
         raise ProfileError(f"cost profile {path}: missing {missing}; {hint}")
     try:
-        segments = tuple(Segment(up_to_bytes=int(s["up_to_bytes"]), alpha_us=float(s["alpha_us"]),
-                                 beta_us_per_byte=float(s["beta_us_per_byte"]))
-                         for s in data.get("segments", ()))
+        segments = _segments(data.get("segments", ()))
+        impls = tuple((str(name), ImplCurve(segments=_segments(c["segments"]),
+                                            max_bytes=int(c["max_bytes"])))
+                      for name, c in sorted(data.get("implementations", {}).items())
+                      if name != "nccl")
         profile = CommProfile(
             backend=str(data["backend"]), device=str(data["device"]),
             world_size=int(data["world_size"]), alpha_us=float(data["alpha_us"]),
             beta_us_per_byte=float(data["beta_us_per_byte"]), segments=segments,
-            nccl_mode=data.get("nccl_mode"), source=str(path))
+            nccl_mode=data.get("nccl_mode"), source=str(path), implementations=impls,
+            digest=hashlib.sha256(path.read_bytes()).hexdigest())
         compute = {k: float(v) for k, v in data.get("compute", {}).items()
                    if k in ("peak_tflops", "memory_gbps", "kernel_us")}
         if "overlap" in data:
@@ -157,7 +217,8 @@ def _read_profile(path: Path) -> dict:
     except (TypeError, ValueError, KeyError) as e:
         raise ProfileError(f"cost profile {path}: bad value ({e}); {hint}") from None
     numbers = [profile.alpha_us, profile.beta_us_per_byte, *compute.values()] + [
-        v for s in segments for v in (s.alpha_us, s.beta_us_per_byte)]
+        v for s in (*segments, *(s for _, c in impls for s in c.segments))
+        for v in (s.alpha_us, s.beta_us_per_byte)]
     if not all(math.isfinite(v) and v >= 0 for v in numbers) or profile.world_size < 1:
         raise ProfileError(f"cost profile {path}: values must be finite and >= 0; {hint}")
     if compute.get("overlap_efficiency", 0.0) > 1.0:
@@ -199,6 +260,10 @@ class Config:
     in the backend). Costs one small all_gather per group, once per graph."""
     cost: CostModel = field(default_factory=CostModel)
     """Cost model used for the report's predicted communication time."""
+    lower: bool = True
+    """Let ``fuse_norm`` and ``lower`` run all_reduces with the implementations a calibrated
+    profile predicts faster (symmetric-memory one-shot / two-shot, the fused all_reduce + add
+    + RMSNorm kernel; CUDA and NCCL only). ``False`` keeps every all_reduce on NCCL."""
 
     def __post_init__(self):
         if isinstance(self.passes, str) or isinstance(self.disable, str):
@@ -212,7 +277,8 @@ class Config:
 
     @property
     def enabled_passes(self) -> tuple[str, ...]:
-        return tuple(p for p in self.passes if p not in self.disable)
+        off = set(self.disable) | (set() if self.lower else {"fuse_norm", "lower"})
+        return tuple(p for p in self.passes if p not in off)
 
     @property
     def bucket_cap_bytes(self) -> int:

@@ -22,6 +22,7 @@ from . import compile_cache
 from .agreement import Agreement, agree, must_compare
 from .collectives import find_comm_blocks, issue_sequence
 from .config import Config
+from .lowering import symm_problem
 from .pipeline import run_pipeline
 from .rank_check import CollectiveMismatchError, Sequence, has_peers
 from .report import Report, record
@@ -66,36 +67,48 @@ class GraphCompile:
         self.closed = False
 
     def run(self, check_ranks: bool) -> Callable:
-        first = self.build(self.cfg)
-
-        def build(config: Config) -> tuple[Built, Sequence]:
-            built = first if config is self.cfg else self.build(config)
-            return built, built.sequence
-
-        if must_compare(first.program, first.all_reduces, self.cfg, check_ranks):
+        cfg, notes = self.cfg, []
+        while True:
             try:
-                chosen, agreement = agree(self.name, self.cfg, build, check_ranks=check_ranks)
+                chosen, agreement = self._agree(cfg, check_ranks)
             except CollectiveMismatchError as e:  # raised at the call, as the user's own code
                 return _raiser(e)                 # would, not inside Dynamo's compile
-        else:
-            chosen, agreement = self._unchanged(first), Agreement()
+            problem = symm_problem(chosen.sequence) if cfg.lower else None
+            if problem is None:
+                break
+            notes.append(f"symmetric memory cannot be used ({problem}); every rank keeps its "
+                         "all_reduces on NCCL")
+            log.warning("fxcoalesce[%s]: %s", self.name, notes[-1])
+            cfg = replace(cfg, lower=False)
         self.closed = True  # a graph compiled later (a lazy backward) cannot be compared
         for r in chosen.reports:
             r.agreement = agreement.as_dict()
+            r.warnings += notes
             record(r)
         return chosen.compiled
 
-    def _unchanged(self, built: Built) -> Built:
+    def _agree(self, cfg: Config, check_ranks: bool) -> tuple[Built, Agreement]:
+        first = self.build(cfg)
+
+        def build(config: Config) -> tuple[Built, Sequence]:
+            built = first if config is cfg else self.build(config)
+            return built, built.sequence
+
+        if must_compare(first.program, first.all_reduces, cfg, check_ranks):
+            return agree(self.name, cfg, build, check_ranks=check_ranks)
+        return self._unchanged(first, cfg), Agreement()
+
+    def _unchanged(self, built: Built, cfg: Config) -> Built:
         """``built``, which no rank compares: its passes must have kept the program's
         sequence wherever peers could see it (else a pass broke its promise: not risked)."""
         if built.sequence == built.program or not has_peers(built.program):
             return built
-        if self.cfg.strict:
+        if cfg.strict:
             raise RuntimeError(f"fxcoalesce[{self.name}]: the passes changed the collective "
                                "sequence where none of them may")
         log.warning("fxcoalesce[%s]: the passes changed the collective sequence where none of "
                     "them may; compiling the graph unrewritten", self.name)
-        return self.build(replace(self.cfg, passes=()))
+        return self.build(replace(cfg, passes=()))
 
     def build(self, config: Config, *, aot_cache: bool = True) -> Built:
         from fxcoalesce.passes import program_order

@@ -12,7 +12,9 @@ from dataclasses import replace
 from fxcoalesce.config import Config
 
 from .bucket import bucket_pass
+from .fuse_norm import fuse_norm_pass
 from .linearity import linearity_pass
+from .lower import lower_pass
 from .result import PassResult
 from .schedule import schedule_pass
 from .slice import slice_pass
@@ -21,6 +23,8 @@ PASSES = {
     "slice": slice_pass,
     "linearity": linearity_pass,
     "bucket": bucket_pass,
+    "fuse_norm": fuse_norm_pass,
+    "lower": lower_pass,
     "schedule": schedule_pass,
 }
 
@@ -36,9 +40,9 @@ SEQUENCE_PRESERVING = ("schedule",)
 """Passes that never change the collective sequence: they only move nodes, and keep the
 collectives in their current order (``graph_order.reorder`` chains them)."""
 
-READS_COMPUTE = ("slice", "linearity")
+READS_COMPUTE = ("slice", "linearity", "fuse_norm")
 """Passes whose matches read compute around the collectives (the slice after a wait, the adds
-after the waits), which can differ between ranks."""
+after the waits, the add and norm after a wait), which can differ between ranks."""
 
 
 def changes_sequence(cfg: Config) -> bool:
@@ -63,5 +67,5 @@ def program_order(cfg: Config) -> Config:
 
 
 __all__ = ["PASSES", "PassResult", "READS_COMPUTE", "SEQUENCE_PRESERVING", "bucket_pass",
-           "changes_sequence", "check_config", "linearity_pass", "program_order", "schedule_pass",
-           "slice_pass", "without_compute_choices"]
+           "changes_sequence", "check_config", "fuse_norm_pass", "linearity_pass", "lower_pass",
+           "program_order", "schedule_pass", "slice_pass", "without_compute_choices"]

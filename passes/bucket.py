@@ -43,6 +43,8 @@ def plan_buckets(analysis: Analysis, cap_bytes: int, *, by_global_level: bool = 
     """Group blocks by (key, level) in node order, splitting a group that exceeds the cap."""
     groups: dict[tuple, list[BlockInfo]] = {}
     for info in analysis.infos:
+        if info.block.impl != "nccl":  # already lowered: runs as it is
+            continue
         lvl = info.global_level if by_global_level else info.level
         groups.setdefault((info.block.key, lvl), []).append(info)
     plan = []

@@ -8,13 +8,16 @@ all_reduces, issued as one or separately (each hidden behind the compute of its 
 
 A merged collective starts when its last member's input is ready and must finish before its
 first member's consumer, so merging can expose a collective that separately would have been
-hidden. Merging is the default: another choice must save more than ``MIN_SAVING_US`` and
+hidden. With the ``lower`` pass on, T is the best implementation's for each size
+(``fxcoalesce.lowering``: two 256 KB one-shots may beat one 512 KB NCCL call), and the same
+predictions choose each remaining all_reduce's implementation (:meth:`Decider.lower`). Merging is the default: another choice must save more than ``MIN_SAVING_US`` and
 ``MIN_SAVING_SHARE`` of the merged prediction (estimates are rough; near-ties keep the
 fewer launches, and fewer bytes for sums).
 
 Compute estimates come from this rank's graph, and ranks' graphs can differ, so decisions that
-read them are local guesses: the backend agrees on them across ranks at the first call
-(``rank_check``). Without ``cfg.slack_aware`` every group merges (rank-invariant by itself).
+read them are local guesses: ranks compare the collectives they lead to (``agreement``).
+Without ``cfg.slack_aware`` every group merges and implementations are compared by their
+whole time, which reads no compute.
 """
 
 from __future__ import annotations
@@ -23,9 +26,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from fxcoalesce.analysis import Analysis, BlockInfo
-from fxcoalesce.collectives import group_setup
+from fxcoalesce.collectives import Key, group_setup
 from fxcoalesce.config import Config
 from fxcoalesce.cost import Roofline, compute_prefix, graph_device
+from fxcoalesce.lowering import SYMM_IMPLS, exposed_us, options
 
 
 MIN_SAVING_US = 1.0
@@ -39,28 +43,53 @@ class Decider:
     analysis: Analysis
     cfg: Config
     world: int
+    backend: str | None
     prefix: list[float]
+    impls: tuple[str, ...]
 
     @classmethod
     def of(cls, analysis: Analysis, cfg: Config) -> Decider:
         roof = Roofline.of(cfg.cost, graph_device(analysis))
-        world, _ = group_setup(analysis.scan)
-        return cls(analysis, cfg, world or 2, compute_prefix(analysis, roof))
+        world, backend = group_setup(analysis.scan)
+        impls = ("nccl", *SYMM_IMPLS) if "lower" in cfg.enabled_passes else ("nccl",)
+        return cls(analysis, cfg, world or 2, backend, compute_prefix(analysis, roof), impls)
 
     def _window(self, ready: int, need: int) -> float:
         """Predicted compute (µs) between position ``ready`` and ``need``."""
         return self.prefix[need] - self.prefix[ready + 1] if need > ready + 1 else 0.0
 
+    def costs(self, key: Key, nbytes: int, ready: int, need: int
+              ) -> tuple[dict[str, float], dict[str, str]]:
+        """(implementation -> predicted exposed µs, implementation -> why ruled out) for one
+        all_reduce. The compute in its window counts only with ``slack_aware`` (it is this
+        rank's estimate); without, implementations are compared by their whole time."""
+        totals, why = options(key, nbytes, self.world, self.backend, self.cfg, self.impls)
+        window = self._window(ready, need) if self.cfg.slack_aware else 0.0
+        return {i: exposed_us(i, us, window, self.cfg) for i, us in totals.items()}, why
+
     def exposed(self, members: list[BlockInfo], nbytes: int | None = None) -> float:
         """Predicted exposed µs of ``members`` issued as one collective of ``nbytes`` (or
-        separately, when ``nbytes`` is None)."""
-        t = lambda b: self.cfg.cost.all_reduce_us(b, self.world)  # noqa: E731
-        exposed = lambda us, ready, need: us - self.cfg.cost.hidden_us(  # noqa: E731
-            us, self._window(ready, need))
+        separately, when ``nbytes`` is None), each with its best implementation."""
+        best = lambda n, ready, need: min(  # noqa: E731
+            self.costs(members[0].block.key, n, ready, need)[0].values())
         if nbytes is None:
-            return sum(exposed(t(m.block.nbytes), m.ready, m.need) for m in members)
+            return sum(best(m.block.nbytes, m.ready, m.need) for m in members)
         ready, need = max(m.ready for m in members), min(m.need for m in members)
-        return exposed(t(nbytes), ready, need)
+        return best(nbytes, ready, need)
+
+    def lower(self, info: BlockInfo) -> tuple[str, dict]:
+        """(the implementation for ``info``'s all_reduce, a record for the report). Another
+        than NCCL must save more than ``MIN_SAVING_US`` and ``MIN_SAVING_SHARE`` of NCCL's
+        prediction: near-ties keep NCCL, which plain torch.compile runs."""
+        b = info.block
+        costs, why = self.costs(b.key, b.nbytes, info.ready, info.need)
+        nccl = costs["nccl"]
+        best = min(costs, key=costs.__getitem__)
+        margin = max(MIN_SAVING_US, MIN_SAVING_SHARE * nccl)
+        chosen = best if costs[best] < nccl - margin else "nccl"
+        return chosen, {"members": [b.collective.name], "chose": chosen, "bytes": b.nbytes,
+                        "predicted_exposed_us": {i: round(v, 2) for i, v in costs.items()},
+                        "ruled_out": why, "local": self.cfg.slack_aware}
 
     def choose(self, members: list[BlockInfo], merged_bytes: Callable[[list[BlockInfo]], int]
                ) -> tuple[list[BlockInfo], dict]:

@@ -107,7 +107,7 @@ def _is_root(node: Node) -> bool:
 
 
 def _reducible(block: CommBlock, tree_dtype) -> bool:
-    return (block.key.op in LINEAR_REDUCTIONS and not block.inplace
+    return (block.impl == "nccl" and block.key.op in LINEAR_REDUCTIONS and not block.inplace
             and block.copy_back is None and len(block.wait.users) == 1
             and block.key.dtype == tree_dtype)
 

@@ -45,7 +45,8 @@ def slice_pass(gm: GraphModule, *, cfg: Config) -> PassResult:
     mode = fake_mode_of(analysis.order)
     for block in analysis.scan.blocks:
         users = list(block.wait.users)
-        if block.inplace or block.copy_back is not None or len(users) != 1:
+        if (block.impl != "nccl" or block.inplace or block.copy_back is not None
+                or len(users) != 1):
             continue
         (use,) = users
         if not _int_slice(use) or use.args[0] is not block.wait:

@@ -1,0 +1,140 @@
+"""Which implementations can run an all_reduce, and what each is predicted to leave exposed.
+
+    nccl                _c10d_functional.all_reduce + wait_tensor: NCCL's own stream, so
+                        compute between its input and its first consumer hides part of it
+    one_shot            symm_mem.one_shot_all_reduce: each rank reads every peer's symmetric
+                        buffer over P2P and sums; a kernel on the compute stream (nothing
+                        hides it)
+    two_shot            symm_mem.two_shot_all_reduce_: reduce-scatter + all-gather over P2P,
+                        in place, on the compute stream
+    fused_add_rms_norm  fxcoalesce.all_reduce_add_rms_norm: a one-shot sum, the residual add
+                        and the RMSNorm after it in one kernel (the ``fuse_norm`` pass)
+
+Validity reads rank-invariant facts only — the device, the group's backend, op, dtype, world
+size, bytes and the calibrated profile — so ranks with one profile choose alike (and a
+lowered collective's description names the profile's digest, so ranks with different
+profiles see it when they compare). Whether symmetric memory works is tested for real,
+collectively, once ranks agreed on a sequence that uses it (``graph_compile``). A profile
+without an implementation's curve, or a size past its largest calibrated one, rules that
+implementation out; the reason goes into the report.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .collectives import Key
+from .config import Config
+
+SYMM_IMPLS = ("one_shot", "two_shot")
+FUSED = "fused_add_rms_norm"
+SYMM_DTYPES = (torch.bfloat16, torch.float32)
+SYMM_WORLDS = (1, 2, 4, 8)
+SYMM_OPS = {"one_shot": "symm_mem::one_shot_all_reduce",
+            "two_shot": "symm_mem::two_shot_all_reduce_",
+            FUSED: "fxcoalesce::all_reduce_add_rms_norm"}
+
+
+def assumed_backend(backend: str | None, cfg: Config) -> str | None:
+    """The group's backend; under a fake group (tracing without peers), the backend the
+    profile was measured with, so ``inspect`` shows what a real run of that setup would do."""
+    if backend == "fake" and cfg.cost.profile is not None:
+        return cfg.cost.profile.backend
+    return backend
+
+
+def symm_unusable(key: Key, world: int | None, backend: str | None, cfg: Config) -> str | None:
+    """Why no symmetric-memory implementation can run an all_reduce of ``key`` (None: they
+    can, as far as rank-invariant facts tell)."""
+    if cfg.codegen != "inductor":
+        return "the eager codegen cannot place inputs in symmetric memory"
+    if not key.device.startswith("cuda"):
+        return f"tensors on {key.device}: symmetric memory needs CUDA"
+    if backend != "nccl":
+        return f"a {backend or 'unknown'} group: symmetric memory needs an NCCL group"
+    if key.op != "sum":
+        return f"op {key.op}: the symmetric-memory kernels only sum"
+    if key.dtype not in SYMM_DTYPES:
+        return f"{str(key.dtype).removeprefix('torch.')}: the kernels take bf16 or fp32"
+    if world not in SYMM_WORLDS:
+        return f"world size {world}: the kernels run at 1, 2, 4 or 8 ranks"
+    return None
+
+
+def op_available(impl: str) -> str | None:
+    """Why this torch cannot run ``impl`` inside a compiled graph (None: it can)."""
+    name = SYMM_OPS[impl]
+    namespace, op = name.split("::")
+    if impl == FUSED:
+        try:
+            import fxcoalesce.kernels  # noqa: F401  (registers the op)
+        except ImportError as e:
+            return f"fxcoalesce.kernels does not import: {e}"
+    packet = getattr(getattr(torch.ops, namespace), op, None)
+    if packet is None:
+        return f"this torch has no {name}"
+    if impl == "two_shot":
+        from torch._inductor.lowering import lowerings
+
+        if packet.default not in lowerings:
+            return f"Inductor {torch.__version__} has no lowering for {name}"
+    return None
+
+
+def exposed_us(impl: str, us: float, window_us: float, cfg: Config) -> float:
+    """What of an all_reduce of ``us`` the compute in its window leaves exposed: NCCL runs
+    on its own stream; the symmetric-memory kernels run on the compute stream."""
+    return us - cfg.cost.hidden_us(us, window_us) if impl == "nccl" else us
+
+
+def options(key: Key, nbytes: int, world: int | None, backend: str | None, cfg: Config,
+            impls: tuple[str, ...] = ("nccl", *SYMM_IMPLS)
+            ) -> tuple[dict[str, float], dict[str, str]]:
+    """(implementation -> predicted µs, implementation -> why it is ruled out) for one
+    all_reduce of ``key`` and ``nbytes``."""
+    backend = assumed_backend(backend, cfg)
+    costs, why = {}, {}
+    blocked = symm_unusable(key, world, backend, cfg)
+    for impl in impls:
+        reason = None
+        if impl != "nccl":
+            reason = blocked or cfg.cost.impl_missing(impl, nbytes) or op_available(impl)
+        if reason is None:
+            costs[impl] = cfg.cost.impl_us(impl, nbytes, world or 2)
+        else:
+            why[impl] = reason
+    return costs, why
+
+
+def profile_tag(cfg: Config) -> str:
+    """What a lowered collective's description says of the profile that chose it."""
+    p = cfg.cost.profile
+    return f"profile {p.digest[:12]}" if p is not None and p.digest else "no profile"
+
+
+def symm_groups(sequence) -> list[str]:
+    """The groups on which a collective sequence runs symmetric-memory implementations."""
+    names = {op.split("::")[1] for op in SYMM_OPS.values()}
+    return sorted({g for g, d in sequence if g is not None and d.split("(")[0] in names})
+
+
+def symm_problem(sequence) -> str | None:
+    """Test symmetric memory for real on every group ``sequence`` runs it on (a collective
+    check, the same on every rank: ranks agreed on ``sequence``); why it cannot be used, or
+    None. Fake groups (tracing) are not tested."""
+    import torch.distributed as dist
+
+    from .rank_check import _resolve
+
+    for name in symm_groups(sequence):
+        try:
+            if dist.get_backend(_resolve(name)) == "fake":
+                continue
+        except Exception:  # a group name nothing here resolves (hand-built graphs)
+            continue
+        from fxcoalesce.kernels.symm import symm_mem_ready
+
+        ok, why = symm_mem_ready(name)
+        if not ok:
+            return f"group {name}: {why}"
+    return None

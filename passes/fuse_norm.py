@@ -1,0 +1,263 @@
+"""fuse_norm: an all_reduce, the residual add after it and the RMSNorm after that, as one
+kernel (``fxcoalesce.all_reduce_add_rms_norm``), where the calibrated profile says it wins.
+
+Requires: comm blocks; runs before ``lower``. Matches, after the wait of a sum all_reduce
+(bf16 or fp32, one consumer): ``add(wait, residual)`` then an RMSNorm of the sum over the
+last dim (the pre-norm decoder's step after attention and after the MLP); or an RMSNorm of
+the wait itself (the first layer's form, whose reduced value is the residual). The norm is
+``aten.rms_norm``, ``aten._fused_rms_norm``, or the decomposed form models write by hand and
+AOTAutograd emits, with or without fp32 upcasts and weight:
+
+    c = x.float(); r = rsqrt(mean(c * c | c ** 2, -1, keepdim) + eps); y = c * r
+    out = (y * w).to(x.dtype)      or      out = w * y.to(x.dtype)
+
+Ensures: the matched nodes become one op whose outputs are the normalised value (for the
+norm's consumers) and the new residual (for the sum's other consumers, usually the next
+layer's add; unused in the output-only form). Values: the same sums and norm, rounded as
+the fused kernel documents (within bf16 rounding of the unfused graph). Never fires through
+a wait with another consumer, for fp16, avg or max, a norm over another dim, or where the
+profile has no ``fused_add_rms_norm`` curve or predicts no saving over the best all_reduce
+plus the add and norm kernels. The match reads compute after the wait (this rank's graph),
+so ranks compare the result (``agreement``: a different eps shows in the description).
+
+    before                                        after
+    %w = wait(all_reduce(%x, "sum", "0"))         %f = all_reduce_add_rms_norm(%x, %h, %g,
+    %s = add(%w, %h)                                                           1e-05, "0")
+    %n = <rms_norm>(%s, %g, 1e-05)                %n = getitem(%f, 0)
+    %o = add(%s, %mlp)                            %o = add(getitem(%f, 1), %mlp)
+"""
+
+from __future__ import annotations
+
+import numbers
+import operator
+from dataclasses import dataclass
+
+import torch
+from torch.fx import GraphModule, Node
+
+from fxcoalesce.analysis import analyze
+from fxcoalesce.config import Config
+from fxcoalesce.cost import Roofline, graph_device, node_us
+from fxcoalesce.graph_order import reorder
+from fxcoalesce.lowering import FUSED, profile_tag
+from fxcoalesce.meta import ORIGIN, REPLACES, fake_mode_of, origin, propagate_val, replaced, tensor_val
+
+from .decide import MIN_SAVING_SHARE, MIN_SAVING_US, Decider
+from .result import Bucket, PassResult
+
+aten, prims = torch.ops.aten, torch.ops.prims
+CONVERTS = (prims.convert_element_type.default, aten._to_copy.default)
+
+
+@dataclass(slots=True)
+class Norm:
+    """An RMSNorm of ``source`` over its last dim: its nodes, output, weight and eps."""
+
+    nodes: list[Node]
+    out: Node
+    weight: Node | None
+    eps: float
+
+
+def _only_user(n: Node) -> Node | None:
+    return next(iter(n.users)) if len(n.users) == 1 else None
+
+
+def _is(n: Node | None, *targets) -> bool:
+    return n is not None and n.op == "call_function" and n.target in targets
+
+
+def _scalar(x) -> bool:
+    return isinstance(x, numbers.Number) and not isinstance(x, bool)
+
+
+def _other(n: Node, known: Node):
+    """The argument of a binary node that is not ``known`` (None if ``known`` is not one)."""
+    a, b = n.args[:2]
+    return b if a is known else a if b is known else None
+
+
+def _last_dim(dims, ndim: int) -> bool:
+    return list(dims) in ([-1], [ndim - 1])
+
+
+def match_norm(source: Node) -> Norm | None:
+    """The RMSNorm of ``source`` (its whole consumer, besides other readers of ``source``)."""
+    val = tensor_val(source)
+    if val is None:
+        return None
+    for user in source.users:
+        if _is(user, aten.rms_norm.default, aten._fused_rms_norm.default):
+            return _direct(user, source, val)
+    start = source
+    conv = next((u for u in source.users if _is(u, *CONVERTS)
+                 and tensor_val(u) is not None and tensor_val(u).dtype == torch.float32), None)
+    if conv is not None:
+        start = conv
+    return _decomposed(source, start, val)
+
+
+def _direct(n: Node, source: Node, val) -> Norm | None:
+    shape, weight, eps = (list(n.args[1:]) + [None, None])[:3]
+    if n.kwargs or list(shape) != [val.shape[-1]] or not (eps is None or _scalar(eps)):
+        return None
+    eps = 1e-6 if eps is None else eps  # aten's default for a None eps is the dtype's eps
+    if n.target is aten._fused_rms_norm.default:  # (out, rstd): only the output is read
+        outs = list(n.users)
+        if len(outs) != 1 or not _is(outs[0], operator.getitem) or outs[0].args[1] != 0:
+            return None
+        return Norm([n, outs[0]], outs[0], weight, eps)
+    return Norm([n], n, weight, eps)
+
+
+def _decomposed(source: Node, c: Node, val) -> Norm | None:
+    sq = next((u for u in c.users if (_is(u, aten.pow.Tensor_Scalar) and u.args[1] == 2)
+               or (_is(u, aten.mul.Tensor) and u.args[0] is c and u.args[1] is c)), None)
+    mean = _only_user(sq) if sq is not None else None
+    if not (_is(mean, aten.mean.dim) and _last_dim(mean.args[1], val.dim())
+            and (mean.args[2:3] == (True,) or mean.kwargs.get("keepdim"))):
+        return None
+    add = _only_user(mean)
+    if not (_is(add, aten.add.Scalar, aten.add.Tensor) and _scalar(add.args[1])):
+        return None
+    rs = _only_user(add)
+    y = _only_user(rs) if _is(rs, aten.rsqrt.default) else None
+    if not (_is(y, aten.mul.Tensor) and _other(y, rs) is c):
+        return None
+    nodes, out, weight = [sq, mean, add, rs, y], y, None
+    # optional cast back and weight, in either order
+    for _ in range(2):
+        nxt = _only_user(out)
+        if _is(nxt, *CONVERTS) and tensor_val(nxt).dtype == val.dtype:
+            out = nxt
+        elif weight is None and _is(nxt, aten.mul.Tensor) and isinstance(_other(nxt, out), Node):
+            weight, out = _other(nxt, out), nxt
+        else:
+            break
+        nodes.append(out)
+    # the norm's inside is read by nothing else; c (the upcast) only by the square and y
+    if c is not source and (set(c.users) != {sq, y} or len(c.users) != 2):
+        return None
+    if any(len(n.users) != 1 for n in nodes[:-1]) or tensor_val(out).dtype != val.dtype:
+        return None
+    if weight is not None and list(tensor_val(weight).shape) != [val.shape[-1]]:
+        return None
+    return Norm(([c] if c is not source else []) + nodes, out, weight, float(add.args[1]))
+
+
+@dataclass(slots=True)
+class Site:
+    block: object
+    residual: Node | None
+    sum: Node
+    """What the norm reads: the add of the residual, or the wait itself (first layer)."""
+    norm: Norm
+
+
+def find_sites(analysis) -> list[Site]:
+    """Every wait → [add residual] → RMSNorm the fused kernel can replace."""
+    sites = []
+    for info in analysis.infos:
+        b = info.block
+        val = tensor_val(b.input)
+        if (b.impl != "nccl" or b.inplace or b.copy_back is not None or b.key.op != "sum"
+                or val is None or val.dtype not in (torch.bfloat16, torch.float32)):
+            continue
+        users = list(b.wait.users)
+        add = users[0] if len(users) == 1 else None
+        if _is(add, aten.add.Tensor) and not add.kwargs and _is_tensor_like(add, b.wait):
+            norm = match_norm(add)
+            if norm is not None:
+                sites.append(Site(b, _other(add, b.wait), add, norm))
+                continue
+        norm = match_norm(b.wait)
+        if norm is not None:
+            sites.append(Site(b, None, b.wait, norm))
+    return sites
+
+
+def _is_tensor_like(add: Node, wait: Node) -> bool:
+    other = _other(add, wait)
+    a, b = tensor_val(wait), tensor_val(other)
+    return (isinstance(other, Node) and other is not wait and b is not None
+            and a.shape == b.shape and a.dtype == b.dtype)
+
+
+def fuse_norm_pass(gm: GraphModule, *, cfg: Config) -> PassResult:
+    result = PassResult()
+    analysis = analyze(gm)
+    sites = find_sites(analysis)
+    if not sites:
+        return result
+    decider = Decider.of(analysis, cfg)
+    roof = Roofline.of(cfg.cost, graph_device(analysis))
+    info_of = {i.block: i for i in analysis.infos}
+    graph, mode = gm.graph, fake_mode_of(analysis.order)
+    priority = {n: float(i) for n, i in analysis.order.items()}
+    issue_keys = {n: float(i) for i, n in enumerate(analysis.scan.sequence)}
+    for site in sites:
+        b, info = site.block, info_of[site.block]
+        costs, why = decider.costs(b.key, b.nbytes, info.ready, info.need)
+        epilogue = sum(node_us(n, roof) for n in [*site.norm.nodes,
+                                                  *([site.sum] if site.residual else [])])
+        unfused = min(costs.values()) + epilogue
+        fused_why = why.get(FUSED) or _fused_missing(cfg, b, decider, site)
+        fused = None if fused_why else cfg.cost.impl_us(FUSED, b.nbytes, decider.world)
+        margin = max(MIN_SAVING_US, MIN_SAVING_SHARE * unfused)
+        chose = "fused" if fused is not None and fused < unfused - margin else "unfused"
+        result.decisions.append({
+            "members": [b.collective.name], "chose": chose, "bytes": b.nbytes,
+            "predicted_us": {"fused": None if fused is None else round(fused, 2),
+                             "unfused": round(unfused, 2)},
+            "ruled_out": {FUSED: fused_why} if fused_why else {}, "local": True})
+        if chose != "fused":
+            continue
+        new = _rewrite(graph, site, mode, cfg)
+        priority.update({n: priority[site.norm.out] - 0.5 for n in new})
+        issue_keys[new[0]] = float(b.ordinal)
+        result.buckets.append(Bucket(members=[b.collective.name], nbytes=b.nbytes,
+                                     level=info.level, key=str(b.key), collective=new[0].name,
+                                     kind=FUSED))
+    if result.buckets:
+        reorder(graph, priority, set(analysis.barriers), issue_keys)
+        result.changed = True
+    return result
+
+
+def _fused_missing(cfg: Config, block, decider: Decider, site: Site) -> str | None:
+    from fxcoalesce.lowering import op_available, options
+
+    _, why = options(block.key, block.nbytes, decider.world, decider.backend, cfg, (FUSED,))
+    if FUSED in why:
+        return why[FUSED]
+    if site.norm.weight is None:
+        return "an RMSNorm without weight (the kernel takes one)"
+    return op_available(FUSED)
+
+
+def _rewrite(graph, site: Site, mode, cfg: Config) -> list[Node]:
+    b, norm = site.block, site.norm
+    op = torch.ops.fxcoalesce.all_reduce_add_rms_norm.default
+    with graph.inserting_before(norm.out):
+        fused = graph.call_function(op, (b.input, site.residual, norm.weight, norm.eps,
+                                         b.key.group))
+        propagate_val(fused, mode)
+        normed = graph.call_function(operator.getitem, (fused, 0))
+        residual = graph.call_function(operator.getitem, (fused, 1))
+    for n in (normed, residual):
+        propagate_val(n, mode)
+    fused.meta[REPLACES] = replaced([b.collective])
+    fused.meta[ORIGIN] = f"{origin(b.collective)} [{profile_tag(cfg)}]"
+    norm.out.replace_all_uses_with(normed)
+    inside = set(norm.nodes)
+    for user in list(site.sum.users):
+        if user not in inside:
+            user.replace_input_with(site.sum, residual)
+    for n in reversed(norm.nodes):
+        graph.erase_node(n)
+    if site.sum is not b.wait:
+        graph.erase_node(site.sum)
+    graph.erase_node(b.wait)
+    graph.erase_node(b.collective)
+    return [fused, normed, residual]

@@ -1,0 +1,80 @@
+"""lower: run each remaining all_reduce with its fastest implementation.
+
+Requires: comm blocks (``find_comm_blocks``); last but ``schedule`` in the pipeline. Ensures:
+every analysed NCCL all_reduce whose calibrated alternative is predicted faster by a margin
+(``Decider.lower``) runs as ``symm_mem.one_shot_all_reduce`` or ``two_shot_all_reduce_``
+instead; the others stay NCCL, and the report records, per all_reduce, the choice, the
+predicted alternatives and why any implementation was ruled out (``fxcoalesce.lowering``:
+CPU, gloo, fp16, avg, world size 3, no curve in the profile, a size past the calibrated
+ones...). Values are the same sums, in another order. The new op takes the collective's place
+in the issue order and names the program's collective and the profile in its description,
+so ranks compare both. Inductor realises the input in symmetric memory: the producing kernel
+writes straight into a P2P buffer.
+
+    before                                        after
+    %ar = all_reduce(%x, "sum", "0")              %y = symm_mem.one_shot_all_reduce(%x, "sum", "0")
+    %w  = wait_tensor(%ar)                        %o = add(%y, %h)
+    %o  = add(%w, %h)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.fx import GraphModule
+
+from fxcoalesce.analysis import analyze
+from fxcoalesce.config import Config
+from fxcoalesce.lowering import profile_tag
+from fxcoalesce.meta import (ORIGIN, REPLACES, fake_mode_of, origin, propagate_val, replaced,
+                             tensor_val)
+
+from .decide import Decider
+from .result import Bucket, PassResult
+
+aten = torch.ops.aten
+
+
+def lower_pass(gm: GraphModule, *, cfg: Config) -> PassResult:
+    result = PassResult()
+    analysis = analyze(gm)
+    decider = Decider.of(analysis, cfg)
+    graph = gm.graph
+    mode = fake_mode_of(analysis.order)
+    for info in analysis.infos:
+        b = info.block
+        if b.impl != "nccl":
+            continue
+        if b.inplace or b.copy_back is not None:
+            result.decisions.append({"members": [b.collective.name], "chose": "nccl",
+                                     "ruled_out": {"all": "an in-place all_reduce_ stays"},
+                                     "local": False})
+            continue
+        chosen, record = decider.lower(info)
+        result.decisions.append(record)
+        if chosen == "nccl":
+            continue
+        x, group = b.input, b.key.group
+        with graph.inserting_before(b.collective):
+            if chosen == "one_shot":
+                new = graph.call_function(torch.ops.symm_mem.one_shot_all_reduce.default,
+                                          (x, "sum", group))
+                propagate_val(new, mode)
+            else:  # in place: on a buffer no other node reads, so none sees the sum
+                own = x
+                if len(x.users) > 1 or x.op != "call_function" or tensor_val(x)._is_view():
+                    own = graph.call_function(aten.clone.default, (x,),
+                                              {"memory_format": torch.contiguous_format})
+                    propagate_val(own, mode)
+                new = graph.call_function(torch.ops.symm_mem.two_shot_all_reduce_.default,
+                                          (own, "sum", group))
+                new.meta["val"] = own.meta["val"]  # returns its input (no fake kernel in 2.11)
+        new.meta[REPLACES] = replaced([b.collective])
+        new.meta[ORIGIN] = f"{origin(b.collective)} [{profile_tag(cfg)}]"
+        b.wait.replace_all_uses_with(new)
+        graph.erase_node(b.wait)
+        graph.erase_node(b.collective)
+        result.buckets.append(Bucket(members=[b.collective.name], nbytes=b.nbytes,
+                                     level=info.level, key=str(b.key), collective=new.name,
+                                     kind=chosen))
+    result.changed = bool(result.buckets)
+    return result
