@@ -83,6 +83,10 @@ CONFIGS: dict[str, LlamaArgs] = {
     "smollm2-135m": LlamaArgs(vocab=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3,
                               inter_dim=1536, rope_theta=100000.0, norm_eps=1e-5,
                               max_seq_len=8192),
+    # meta-llama/Meta-Llama-3-8B: the common served shape; sequential blocks, nothing to merge
+    "llama-3-8b": LlamaArgs(vocab=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                            inter_dim=14336, rope_theta=500000.0, norm_eps=1e-5,
+                            max_seq_len=8192),
 }
 
 TINY = LlamaArgs(vocab=256, dim=72, n_layers=4, n_heads=9, n_kv_heads=3, inter_dim=96,

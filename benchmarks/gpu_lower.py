@@ -1,0 +1,202 @@
+"""World size 1 on one GPU (issue 15's one-H200 figures): every zoo model's step lowered and
+compiled with ``mode="reduce-overhead"``, against the same step unlowered.
+
+    python benchmarks/gpu_lower.py --out DIR [--models a,b] [--tokens 16]
+
+An NCCL group of one rank keeps every all_reduce in the graph. Variants, each compiled behind
+a backend of its own (dynamo never shares their code): ``nccl`` (``Config(lower=False)``),
+``one_shot`` (a profile in which one-shot always wins, ``fuse_norm`` off) and ``fused``
+(a profile in which the fused all_reduce + add + RMSNorm kernel always wins). The forcing
+profiles only steer the choice: the point is that every lowered graph computes what the
+unlowered one does. Per model and variant: the all_reduces the report lowered, outputs
+against ``nccl`` (one-shot at world size 1 is exact up to the kernels' own fusion; the fused
+kernel within bf16 rounding), the generated code (FileCheck: the symmetric-memory calls, the
+P2P buffers, no more Triton kernels than unlowered: no copy into a P2P buffer), Inductor's
+CUDA-graph skips (0: replayed under CUDA graphs) and the median step time (CUDA events).
+Results: ``DIR/gpu_lower.json``; a table on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+MODELS = {  # name: (step, layers): full width, few layers, so every model fits one GPU
+    "llama-3-8b": ("verify", 2), "smollm2-135m": ("verify", None), "llama-tiny": ("forward", None),
+    "neox-tiny": ("forward", None), "falcon-40b": ("forward", 2), "llama-3-70b": ("forward", 2),
+    "kimi-k2-tiny": ("verify", None), "kimi-k2": ("verify", 3), "deepseek-v3": ("verify", 4),
+}
+
+
+def forcing_profile(directory: Path, impl: str) -> Path:
+    """A world-size-1 profile in which ``impl`` always wins (NCCL 1 ms, ``impl`` 0.1 µs)."""
+    flat = lambda us: {"segments": [{"up_to_bytes": 1 << 30, "alpha_us": us,  # noqa: E731
+                                     "beta_us_per_byte": 0.0}], "max_bytes": 1 << 30}
+    impls = {"one_shot": flat(0.1)} if impl == "one_shot" else {
+        "one_shot": flat(500.0), "fused_add_rms_norm": flat(0.1)}
+    data = {"backend": "nccl", "device": "cuda", "world_size": 1, "alpha_us": 1000.0,
+            "beta_us_per_byte": 0.0, "segments": flat(1000.0)["segments"],
+            "implementations": impls}
+    path = directory / f"force_{impl}.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def step_of(name: str, step: str, layers, tokens: int, group):
+    from fxcoalesce import models
+    from fxcoalesce.apps.steps import make_step
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = models.build(name, dtype=torch.bfloat16, layers=layers)
+        models.apply_tp(model, group)
+        fn, args = make_step(model, step, tokens)
+    return fn, [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
+
+
+def median_ms(fn, args, calls: int = 20) -> float:
+    times = []
+    for _ in range(calls):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(*args)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def run_variant(fn, args, variant: str, profiles: dict) -> dict:
+    import fxcoalesce
+    from torch._dynamo.utils import counters
+    from torch._inductor.utils import run_and_get_code
+
+    cfg = {"nccl": fxcoalesce.Config(lower=False),
+           "one_shot": fxcoalesce.Config(cost=fxcoalesce.CostModel.from_profile(
+               profiles["one_shot"]), disable=("fuse_norm",)),
+           "fused": fxcoalesce.Config(cost=fxcoalesce.CostModel.from_profile(profiles["fused"]))
+           }[variant]
+    torch._dynamo.reset()
+    counters.clear()
+    fxcoalesce.clear_reports()
+    compiled = torch.compile(fn, backend=fxcoalesce.backend(cfg, mode="reduce-overhead"))
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out, codes = run_and_get_code(compiled, *args)
+        for _ in range(3):  # CUDA-graph trees: warm-up, record, replay
+            out = compiled(*args)
+        torch.cuda.synchronize()
+        compile_s = time.perf_counter() - t0
+        ms = median_ms(compiled, args)
+        out = compiled(*args).clone()
+    code = "\n".join(codes)
+    chosen = [d["chose"] for r in fxcoalesce.reports() for d in r.decisions
+              if d.get("pass") in ("lower", "fuse_norm")]
+    return {"out": out, "code": code, "ms": round(ms, 4), "compile_s": round(compile_s, 1),
+            "lowered": {c: chosen.count(c) for c in set(chosen)},
+            "one_shot_calls": code.count("symm_mem.one_shot_all_reduce"),
+            "fused_calls": code.count("fxcoalesce.all_reduce_add_rms_norm"),
+            "p2p_buffers": len(re.findall(r"empty_strided_p2p", code)),
+            "triton_launches": len(re.findall(r"\.run\(", code)),
+            "cudagraph_skips": sum(counters["inductor"].get(k, 0) for k in
+                                   ("cudagraph_skips",)),
+            "warnings": [w for r in fxcoalesce.reports() for w in r.warnings][:5]}
+
+
+def check_code(code: str, rec: dict, base: dict, variant: str) -> list[str]:
+    """What the generated code must hold; each failed check as a sentence."""
+    from torch.testing import FileCheck
+
+    checks = {
+        # a P2P buffer is allocated, then the one-shot reads it (the producer wrote into it)
+        "one_shot": lambda: FileCheck().check("empty_strided_p2p").check(
+            "symm_mem.one_shot_all_reduce").run(code),
+        # the fused all_reduce + add + RMSNorm is one call in the wrapper
+        "fused": lambda: FileCheck().check("fxcoalesce.all_reduce_add_rms_norm").run(code),
+    }
+    problems = []
+    try:
+        checks[variant]()
+    except RuntimeError as e:
+        problems.append(f"FileCheck: {str(e).splitlines()[0]}")
+    if rec["triton_launches"] > base["triton_launches"]:  # a copy kernel into a P2P buffer
+        problems.append(f"{rec['triton_launches']} Triton launches, unlowered "
+                        f"{base['triton_launches']}")
+    return problems
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--tokens", type=int, default=16)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("gpu_lower.py needs CUDA", file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29531", rank=0, world_size=1,
+                            device_id=torch.device("cuda", 0))
+    group = dist.group.WORLD
+    tmp = Path(tempfile.mkdtemp())
+    profiles = {"one_shot": forcing_profile(tmp, "one_shot"),
+                "fused": forcing_profile(tmp, "fused")}
+    results = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
+               "date": time.strftime("%Y-%m-%d"), "tokens": args.tokens, "models": {}}
+    for name in args.models.split(","):
+        step, layers = MODELS[name]
+        rec = results["models"][name] = {"step": step, "layers": layers}
+        try:
+            fn, inputs = step_of(name, step, layers, args.tokens, group)
+            base = None
+            for variant in ("nccl", "one_shot", "fused"):
+                try:
+                    r = run_variant(fn, inputs, variant, profiles)
+                except Exception as e:  # one variant failing must not hide the others
+                    rec[variant] = {"error": f"{type(e).__name__}: {e}"[:600],
+                                    "traceback": traceback.format_exc()[-2000:]}
+                    print(f"{name} {variant}: {rec[variant]['error']}", flush=True)
+                    continue
+                out, code = r.pop("out"), r.pop("code")
+                if variant == "nccl":
+                    base, base_out = r, out
+                elif base is not None:
+                    diff = (out.float() - base_out.float()).abs()
+                    r["max_abs_diff"] = float(diff.max())
+                    r["max_rel_diff"] = float(diff.max() / base_out.float().abs().max())
+                    r["problems"] = check_code(code, r, base, variant)
+                rec[variant] = r
+                print(f"{name} {variant}: {json.dumps(r)}", flush=True)
+        except Exception as e:
+            rec["error"] = f"{type(e).__name__}: {e}"[:600]
+            print(f"{name}: {rec['error']}", flush=True)
+        (args.out / "gpu_lower.json").write_text(json.dumps(results, indent=2))
+    print("| model | variant | lowered | ms | max abs diff | skips | problems |")
+    print("|---|---|---|---|---|---|---|")
+    for name, rec in results["models"].items():
+        for v in ("nccl", "one_shot", "fused"):
+            r = rec.get(v, {})
+            print(f"| {name} | {v} | {r.get('lowered', r.get('error', '-'))} | {r.get('ms')} | "
+                  f"{r.get('max_abs_diff', '')} | {r.get('cudagraph_skips', '')} | "
+                  f"{r.get('problems', '')} |")
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
