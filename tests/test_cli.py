@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -100,6 +101,37 @@ def test_out_in_the_way_is_refused_before_the_work(tmp_path, make, args, message
     proc = run_cli(*(a.format(p=p) for a in args))
     assert_refused(proc, args[0], message.format(p=p))
 
+
+
+UNWRITABLE = "/proc/fxcoalesce-out"  # procfs takes no new entries, even from root
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+@pytest.mark.parametrize("args, message", [
+    (["inspect", "--model", "neox-tiny", "--tp", "4", "--out", UNWRITABLE],
+     f"--out {UNWRITABLE}: cannot write into /proc (No such file or directory)"),
+    (["bench", "--out", f"{UNWRITABLE}/sub"],
+     f"--out {UNWRITABLE}/sub: cannot write into /proc (No such file or directory)"),
+    (["calibrate", "--out", f"{UNWRITABLE}.json"],
+     f"--out {UNWRITABLE}.json: cannot write into /proc (No such file or directory)"),
+    (["train-draft", "--out", UNWRITABLE],
+     f"--out {UNWRITABLE}: cannot write into /proc (No such file or directory)"),
+])
+def test_unwritable_out_is_refused_before_the_work(args, message):
+    """Regression: inspect printed its table, then a 35-line FileNotFoundError."""
+    assert_refused(run_cli(*args), args[0], message)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["inspect", "--model", "neox-tiny", "--tp", "4"], "a directory (inspect writes "
+     "report.json, before.txt, after.txt into it)"),
+    (["bench"], "a directory (bench writes bench.json, bench.md, bench.png into it)"),
+    (["demo"], "a directory (demo writes demo.json into it)"),
+    (["calibrate"], "a file (calibrate writes one JSON file)"),
+])
+def test_empty_out_is_refused(args, message):
+    """Regression: ``inspect --out ""`` traced, printed its table and wrote nothing."""
+    assert_refused(run_cli(*args, "--out", ""), args[0], f"--out is empty; give {message}")
 
 @pytest.mark.parametrize("args, gpus, message", [
     (["--backend", "nccl", "--device", "cuda", "--tp", "4"], 2,

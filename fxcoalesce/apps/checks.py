@@ -9,6 +9,8 @@ and ask torch how many GPUs it sees, but build nothing.
 
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 
 from fxcoalesce.config import Config
@@ -63,15 +65,27 @@ def _gpus(device: str, backend: str | None, tp: int) -> None:
 
 
 def _no_file_above(out: str, path: Path) -> None:
-    """The directories up to ``path`` exist or can be made: no file where one should be."""
+    """The directories up to ``path`` exist or can be made: no file where one should be, and
+    the nearest existing one takes new entries."""
     existing = next(p for p in (path, *path.parents) if p.exists())
     if not existing.is_dir():
         raise ValueError(f"--out {out}: {existing} is a file, not a directory")
+    try:  # a probe, not os.access: root passes permission bits, not /proc or a read-only mount
+        os.rmdir(tempfile.mkdtemp(prefix=".fxcoalesce-probe-", dir=existing))
+    except OSError as e:
+        raise ValueError(f"--out {out}: cannot write into {existing} ({e.strerror})") from None
+
+
+def _not_empty(out: str, what: str) -> None:
+    """``--out ""`` names nothing (it used to make inspect write nothing, silently)."""
+    if not out:
+        raise ValueError(f"--out is empty; give {what}")
 
 
 def _can_make_dir(out: str, command: str = "inspect",
                   files: str = "report.json, before.txt, after.txt") -> None:
     """``out`` is a directory or can become one (``command`` writes ``files`` into it)."""
+    _not_empty(out, f"a directory ({command} writes {files} into it)")
     if Path(out).is_file():
         raise ValueError(f"--out {out} is a file; {command} writes a directory ({files})")
     _no_file_above(out, Path(out))
@@ -79,6 +93,7 @@ def _can_make_dir(out: str, command: str = "inspect",
 
 def _can_write_file(out: str, command: str = "bench") -> None:
     """``out`` can be written as a file (bench and calibrate write one JSON file)."""
+    _not_empty(out, f"a file ({command} writes one JSON file)")
     if Path(out).is_dir():
         raise ValueError(f"--out {out} is a directory; {command} writes one JSON file")
     _no_file_above(out, Path(out).parent)
@@ -117,7 +132,7 @@ def check_inspect(args) -> None:
             Config(bucket_cap_mb=args.bucket_cap_mb)
         except ValueError as e:
             raise ValueError(f"--bucket-cap-mb: {e}") from None
-    if args.out:
+    if args.out is not None:
         _can_make_dir(args.out)
     if args.format != "txt" or args.timeline or args.trace:
         _drawings(args)
@@ -182,8 +197,6 @@ def _fits(name: str, layers: int | None, tp: int, device: str) -> None:
 
 def _hostable(tp: int, device: str) -> None:
     """CPU ranks: at most RANKS_PER_CORE per core."""
-    import os
-
     cores = os.cpu_count() or 1
     if device == "cpu" and tp > RANKS_PER_CORE * cores:
         raise ValueError(f"--tp {tp}: {tp} CPU ranks on {cores} core{'s' * (cores > 1)}; "
@@ -210,7 +223,7 @@ def check_bench(args) -> None:
     if args.layers is not None:
         _at_least(1, layers=args.layers)
     parse_variants(args.variants)
-    if args.out:
+    if args.out is not None:
         _can_make_dir(args.out, "bench", "bench.json, bench.md, bench.png")
     if args.trace and not args.out:
         raise ValueError("--trace needs --out DIR (the traces are written there)")
@@ -232,7 +245,7 @@ def check_demo(args) -> None:
     if args.tokens is not None:
         _at_least(2, "the first new token comes from the prefill, the others from verify steps",
                   tokens=args.tokens)
-    if args.out:
+    if args.out is not None:
         _can_make_dir(args.out, "demo", "demo.json")
     _model(args.model, args.tp, "verify")
     _gpus(args.device, args.backend, args.tp)
@@ -262,10 +275,7 @@ def check_train_draft(args) -> None:
               batch_tokens=args.batch_tokens)
     if args.prompts is not None:
         _at_least(1, prompts=args.prompts)
-    if Path(args.out).is_file():
-        raise ValueError(f"--out {args.out} is a file; train-draft writes a directory "
-                         "(config.json, safetensors shards, train_log.json)")
-    _no_file_above(args.out, Path(args.out))
+    _can_make_dir(args.out, "train-draft", "config.json, safetensors shards, train_log.json")
     import torch
 
     if args.device is None:
