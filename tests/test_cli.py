@@ -39,6 +39,10 @@ BAD_INPUT = [  # (arguments, the one stderr line after "fxcoalesce <cmd>: error:
     (["inspect", "--model", "neox-tiny", "--tp", "4", "--step", "verify"], "neox-tiny has no "
      "'verify' step (it needs a KV-cached model: kimi-k2, deepseek-v3, kimi-k2-tiny, "
      "smollm2-135m)"),
+    (["inspect", "--model", "llama-tiny", "--tp", "4", "--hand-merged"], "--hand-merged: "
+     "llama-tiny has sequential blocks (each all_reduce feeds the next block), so there is "
+     "nothing to merge by hand; models with hand-merged code: neox-tiny, falcon-40b, kimi-k2, "
+     "deepseek-v3, kimi-k2-tiny"),  # regression: failed after the "tracing" line
     (["inspect", "--model", "neox-tiny", "--bucket-cap-mb", "inf"],
      "--bucket-cap-mb: bucket_cap_mb must be a finite number > 0, not inf"),
     (["bench", "--model", "no-such-model"], "unknown model 'no-such-model'; choose one of: "

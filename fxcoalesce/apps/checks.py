@@ -17,6 +17,8 @@ from fxcoalesce.config import Config
 
 PRETRAINED = "smollm2-135m"
 """The model with pretrained weights (apps/spec/smollm2.py): demo decodes it with a trained head."""
+DEFAULT_PROMPT = "Why is the sky blue?"
+"""What ``demo --model smollm2-135m`` asks without ``--prompt``."""
 
 
 def _at_least(minimum: int, why: str = "", **options: int) -> None:
@@ -64,16 +66,23 @@ def _gpus(device: str, backend: str | None, tp: int) -> None:
                          f"{torch.cuda.device_count()} (use --backend gloo to share them)")
 
 
-def _no_file_above(out: str, path: Path) -> None:
-    """The directories up to ``path`` exist or can be made: no file where one should be, and
-    the nearest existing one takes new entries."""
+def _unwritable(path: Path) -> str | None:
+    """Why the directory ``path`` cannot be made or written into, None when it can: a file
+    where a directory should be, or the nearest existing directory takes no new entries."""
     existing = next(p for p in (path, *path.parents) if p.exists())
     if not existing.is_dir():
-        raise ValueError(f"--out {out}: {existing} is a file, not a directory")
+        return f"{existing} is a file, not a directory"
     try:  # a probe, not os.access: root passes permission bits, not /proc or a read-only mount
         os.rmdir(tempfile.mkdtemp(prefix=".fxcoalesce-probe-", dir=existing))
     except OSError as e:
-        raise ValueError(f"--out {out}: cannot write into {existing} ({e.strerror})") from None
+        return f"cannot write into {existing} ({e.strerror})"
+    return None
+
+
+def _no_file_above(out: str, path: Path) -> None:
+    """The directories up to ``path`` exist or can be made, and can be written into."""
+    if why := _unwritable(path):
+        raise ValueError(f"--out {out}: {why}")
 
 
 def _not_empty(out: str, what: str) -> None:
@@ -138,6 +147,8 @@ def check_inspect(args) -> None:
         _drawings(args)
     if args.model:
         _model(args.model, args.tp, args.step)
+        if args.hand_merged:
+            _hand_merged(args.model)
 
 
 GiB = 1 << 30
@@ -240,6 +251,54 @@ def check_bench(args) -> None:
     _fits(args.model, args.layers, args.tp, args.device)
 
 
+def _hand_merged(name: str) -> None:
+    """``--hand-merged`` needs a model with hand-merged code (bench skips the variant instead)."""
+    from fxcoalesce import models
+
+    from fxcoalesce.apps.bench.variants import has_hand_merged
+
+    if not has_hand_merged(name):
+        having = [m for m in models.model_names() if has_hand_merged(m)]
+        raise ValueError(f"--hand-merged: {name} has sequential blocks (each all_reduce feeds "
+                         "the next block), so there is nothing to merge by hand; models with "
+                         f"hand-merged code: {', '.join(having)}")
+
+
+def _prompt(prompt: str) -> None:
+    """The prompt is text the tokenizer can take: not empty, and UTF-8 on the command line
+    (Python turns bytes that are not UTF-8 into lone surrogates, which tokenizers refuse)."""
+    if not prompt.strip():
+        raise ValueError("--prompt is empty")
+    raw = os.fsencode(prompt)  # the bytes as given
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--prompt is not UTF-8: byte {raw[e.start]:#04x} at offset {e.start} "
+                         f"of {raw[:40]!r}; give the prompt as UTF-8 text (the terminal's "
+                         "encoding may be another)") from None
+
+
+def _weights() -> None:
+    """The GGUF can be had: ``$FXCOALESCE_SMOLLM2_GGUF`` names a file, or the cache holds one
+    or can take the fetched one. Its size and sha256 are checked when it is read."""
+    from fxcoalesce.apps.spec import smollm2
+
+    fix = (f"set {smollm2.CACHE_ENV} to a directory that can be written, or "
+           f"{smollm2.GGUF_ENV} to the GGUF file")
+    if named := os.environ.get(smollm2.GGUF_ENV):
+        if not Path(named).is_file():
+            kind = "a directory, not a file" if Path(named).is_dir() else "no such file"
+            raise ValueError(f"{smollm2.GGUF_ENV}={named}: {kind}; {smollm2.GGUF_FIX}")
+        return
+    folder = smollm2.cache_dir() / "smollm2"
+    if (folder / Path(smollm2.MEMBER).name).is_file():
+        return
+    where = (f"{smollm2.CACHE_ENV}={os.environ[smollm2.CACHE_ENV]}"
+             if os.environ.get(smollm2.CACHE_ENV) else f"the weights cache {folder}")
+    if why := _unwritable(folder):
+        raise ValueError(f"{where}: {why}, and the weights are fetched there; {fix}")
+
+
 def check_demo(args) -> None:
     _at_least(1, tp=args.tp)
     if args.tokens is not None:
@@ -248,13 +307,24 @@ def check_demo(args) -> None:
     if args.out is not None:
         _can_make_dir(args.out, "demo", "demo.json")
     _model(args.model, args.tp, "verify")
+    if args.hand_merged:
+        _hand_merged(args.model)
+    if args.model != PRETRAINED:
+        given = [o for o, v in (("--prompt", args.prompt), ("--draft", args.draft))
+                 if v is not None]
+        if given:
+            raise ValueError(f"{' and '.join(given)}: for --model {PRETRAINED} only; "
+                             f"{args.model} has random weights, a random draft and no tokenizer "
+                             "(its prompt is random token ids)")
     _gpus(args.device, args.backend, args.tp)
     if args.model == PRETRAINED:
         from fxcoalesce.apps.spec.demo import head_path
 
         head_path(args.draft)
-        if not args.prompt.strip():
-            raise ValueError("--prompt is empty")
+        if args.prompt is None:
+            args.prompt = DEFAULT_PROMPT
+        _prompt(args.prompt)
+        _weights()
 
 
 def check_train_draft(args) -> None:
@@ -281,6 +351,7 @@ def check_train_draft(args) -> None:
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     _gpus(args.device, None, 1)
+    _weights()
 
 
 def check_calibrate(args) -> None:

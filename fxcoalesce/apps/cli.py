@@ -349,9 +349,8 @@ def parser() -> argparse.ArgumentParser:
                    help="where weights and activations live (default: %(default)s)")
     d.add_argument("--out", help="directory to write demo.json into, created if missing "
                                  "(default: write nothing)")
-    d.add_argument("--prompt", default="Why is the sky blue?",
-                   help="smollm2-135m: the user message, chat template applied "
-                        "(default: %(default)r)")
+    d.add_argument("--prompt", help="smollm2-135m: the user message, chat template applied "
+                                    f"(default: {checks.DEFAULT_PROMPT!r})")
     d.add_argument("--draft", help="smollm2-135m: draft head directory from train-draft "
                                    "(default: the repository's heads/smollm2-135m)")
     d.set_defaults(fn=cmd_demo, check=checks.check_demo)
