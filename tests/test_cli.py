@@ -61,6 +61,16 @@ BAD_INPUT = [  # (arguments, the one stderr line after "fxcoalesce <cmd>: error:
      "from the prefill, the others from verify steps)"),
     (["demo", "--model", "neox-tiny"], "neox-tiny has no 'verify' step (it needs a KV-cached "
      "model: kimi-k2, deepseek-v3, kimi-k2-tiny, smollm2-135m)"),
+    # regression: killed for memory after 42 s
+    (["calibrate", "--max-bytes", "1e30", "--out", "p.json"], "--max-bytes 1e30: at most 1G "
+     "(every rank holds a buffer of each size up to it at once, 3.5 GiB at 1G; the largest "
+     "bucket fxcoalesce makes by default is 512 MB)"),
+    # regression: argparse's "expected one argument"
+    (["calibrate", "--max-bytes", "-5M", "--out", "p.json"],
+     "--max-bytes must be positive, not -5M"),
+    (["calibrate", "--max-bytes=-5M", "--out", "p.json"], "--max-bytes must be positive, not -5M"),
+    (["calibrate", "--max-bytes", "5X", "--out", "p.json"],
+     "--max-bytes 5X: not a byte count (e.g. 64M, 16K or 1024)"),
 ]
 NEEDS_NO_CUDA = [
     (["bench", "--device", "cuda"], "--device cuda: torch sees no CUDA GPU (use --device cpu)"),
@@ -150,6 +160,23 @@ def test_nccl_needs_a_gpu_per_rank(monkeypatch, capsys, cmd, args, gpus, message
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     assert cli.main([cmd, *args]) == 2
     assert capsys.readouterr().err == f"fxcoalesce {cmd}: error: {message}\n"
+
+
+@pytest.mark.parametrize("device, message", [
+    ("cpu", "2 ranks need about 8.0 GiB but 6.0 GiB is free"),
+    ("cuda", "each GPU (2 ranks) needs about 9.0 GiB but 6.0 GiB is free"),
+])
+def test_calibrate_buffers_must_fit(monkeypatch, capsys, tmp_path, device, message):
+    """Every size up to --max-bytes is held at once on every rank: 3.5 GiB at 1G."""
+    monkeypatch.setattr(checks, "_mem_available", lambda: 6 * checks.GiB)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i=0: (6 * checks.GiB, 8 * checks.GiB))
+    out = str(tmp_path / "p.json")
+    assert cli.main(["calibrate", "--device", device, "--max-bytes", "1G", "--out", out]) == 2
+    assert capsys.readouterr().err == (
+        "fxcoalesce calibrate: error: --max-bytes 1G: every rank holds each size up to it at "
+        f"once, 3.5 GiB; {message} (use a smaller --max-bytes)\n")
 
 
 def test_default_backend_is_nccl_only_with_a_gpu_per_rank(monkeypatch):

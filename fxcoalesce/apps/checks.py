@@ -9,7 +9,9 @@ and ask torch how many GPUs it sees, but build nothing.
 
 from __future__ import annotations
 
+import math
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -354,12 +356,71 @@ def check_train_draft(args) -> None:
     _weights()
 
 
+SIZE = re.compile(r"([-+]?(?:\d+\.?\d*|\.\d+)(?:e[-+]?\d+)?)\s*([kmg]?)(?:i?b)?", re.I)
+"""A byte count as ``--max-bytes`` takes it: 1024, 64M, 1.5G, 16KiB (binary units)."""
+NEGATIVE_SIZE = re.compile(r"^-(?:\d+\.?\d*|\.\d+)(?:e[-+]?\d+)?\s*[kmg]?(?:i?b)?$", re.I)
+"""A negative ``SIZE``: argparse must take it for a value, not for an option."""
+MAX_CALIBRATE_BYTES = 1 << 30
+"""Largest ``calibrate --max-bytes``: twice the default bucket cap (512 MB), which is as
+large as a bucketed all_reduce gets. Every rank holds a buffer of each size up to it at once
+(3.5 times it: 3.5 GiB at the cap), and the largest sizes take most of the time."""
+
+
+def _byte_count(option: str, text: str) -> int:
+    """'64M', '16K', '1.5G', '1024' -> bytes; ValueError naming ``option`` otherwise."""
+    match = SIZE.fullmatch(text.strip())
+    if not match:
+        raise ValueError(f"{option} {text}: not a byte count (e.g. 64M, 16K or 1024)")
+    number, unit = match.groups()
+    value = float(number) * {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}[unit.lower()]
+    if not math.isfinite(value):
+        raise ValueError(f"{option} {text}: not a finite byte count")
+    return int(value)
+
+
+def _calibrate_memory(text: str, max_bytes: int, tp: int, device: str) -> None:
+    """Every rank's buffers (a tensor of each size up to ``max_bytes``, kept for the whole
+    run) fit: in available memory for CPU ranks, in each GPU's free memory for CUDA ranks
+    (ranks beyond the GPU count share them). Each rank also needs about 0.5 GiB for torch
+    (measured: 1.17 GiB per gloo rank at --max-bytes 256M, 0.88 GiB of it buffers), 1 GiB on
+    a GPU (context, the matmul probe)."""
+    import torch
+
+    from fxcoalesce.apps.bench.calibrate import sizes
+
+    buffers = sum(sizes(max_bytes=max_bytes))
+    if device == "cuda":
+        gpus = torch.cuda.device_count()
+        sharing = -(-tp // gpus)
+        need = sharing * (buffers + GiB)
+        free = min(torch.cuda.mem_get_info(i)[0] for i in range(min(tp, gpus)))
+        where = f"each GPU ({sharing} rank{'s' * (sharing > 1)}) needs"
+    else:
+        need, free = tp * (buffers + GiB // 2), _mem_available()
+        where = f"{tp} ranks need"
+    if free is not None and need > free:
+        raise ValueError(f"--max-bytes {text}: every rank holds each size up to it at "
+                         f"once, {buffers / GiB:.1f} GiB; {where} about {need / GiB:.1f} GiB "
+                         f"but {free / GiB:.1f} GiB is free (use a smaller --max-bytes)")
+
+
 def check_calibrate(args) -> None:
     _at_least(1, tp=args.tp)
     if args.tp < 2:
         raise ValueError("--tp must be at least 2: an all_reduce over one rank moves nothing")
-    _at_least(8, max_bytes=args.max_bytes)
+    text = str(args.max_bytes)
+    args.max_bytes = _byte_count("--max-bytes", text)
+    if args.max_bytes <= 0:
+        raise ValueError(f"--max-bytes must be positive, not {text}")
+    if args.max_bytes < 8:
+        raise ValueError(f"--max-bytes must be at least 8 (the smallest all_reduce measured), "
+                         f"not {text}")
+    if args.max_bytes > MAX_CALIBRATE_BYTES:
+        raise ValueError(f"--max-bytes {text}: at most 1G (every rank holds a buffer of each "
+                         "size up to it at once, 3.5 GiB at 1G; the largest bucket fxcoalesce "
+                         "makes by default is 512 MB)")
     if not args.budget > 0:
         raise ValueError(f"--budget must be > 0 seconds, not {args.budget}")
     _can_write_file(args.out, "calibrate")
     _gpus(args.device, args.backend, args.tp)
+    _calibrate_memory(text, args.max_bytes, args.tp, args.device)
