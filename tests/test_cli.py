@@ -17,6 +17,7 @@ from fxcoalesce.models import transformer
 
 L = transformer.CONFIGS["neox-tiny"].n_layers
 NO_CUDA = not torch.cuda.is_available()
+GiB = checks.GiB
 
 
 def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -149,8 +150,7 @@ def test_empty_out_is_refused(args, message):
 
 @pytest.mark.parametrize("args, gpus, message", [
     (["--backend", "nccl", "--device", "cuda", "--tp", "4"], 2,
-     "--backend nccl needs a GPU per rank: --tp 4, but torch sees 2 (use --backend gloo to "
-     "share them)"),
+     "--backend nccl needs a GPU per rank: --tp 4, but torch sees 2 (use --tp 2)"),
     (["--backend", "nccl", "--tp", "2"], 2,
      "--backend nccl needs --device cuda (NCCL reduces GPU tensors only)"),
 ])
@@ -162,16 +162,46 @@ def test_nccl_needs_a_gpu_per_rank(monkeypatch, capsys, cmd, args, gpus, message
     assert capsys.readouterr().err == f"fxcoalesce {cmd}: error: {message}\n"
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--device", "cuda", "--backend", "gloo", "--tp", "2"], "--backend gloo with --device "
+     "cuda: gloo's all_gather of CUDA tensors kills the ranks with SIGSEGV (torch 2.11), and "
+     "the model's output head all_gathers its logits; use --backend nccl with a GPU per rank "
+     "(torch sees 1), or --device cpu"),
+    (["--device", "cuda", "--tp", "2"], "--device cuda --tp 2 on 1 GPU means gloo ranks (NCCL "
+     "needs a GPU per rank), but gloo's all_gather of CUDA tensors kills the ranks with SIGSEGV "
+     "(torch 2.11), and the model's output head all_gathers its logits; use --tp 1 or "
+     "--device cpu"),
+])
+@pytest.mark.parametrize("cmd", ["bench", "demo"])
+def test_gloo_on_cuda_is_refused_before_spawning(monkeypatch, capsys, cmd, args, message):
+    """Regression: on one GPU both ranks died with SIGSEGV in the eager warm-up's all_gather."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(launch, "spawn", lambda *a, **k: pytest.fail("a rank was started"))
+    assert cli.main([cmd, *args]) == 2
+    assert capsys.readouterr().err == f"fxcoalesce {cmd}: error: {message}\n"
+
+
+def test_calibrate_may_run_gloo_on_cuda(monkeypatch, tmp_path):
+    """calibrate only all_reduces, which gloo does on CUDA tensors (host-staged)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i=0: (100 * GiB, 140 * GiB))
+    args = cli.parser().parse_args(["calibrate", "--device", "cuda", "--backend", "gloo",
+                                    "--out", str(tmp_path / "p.json")])
+    checks.check_calibrate(args)  # no ValueError
+
+
 @pytest.mark.parametrize("device, message", [
     ("cpu", "2 ranks need about 8.0 GiB but 6.0 GiB is free"),
     ("cuda", "each GPU (2 ranks) needs about 9.0 GiB but 6.0 GiB is free"),
 ])
 def test_calibrate_buffers_must_fit(monkeypatch, capsys, tmp_path, device, message):
     """Every size up to --max-bytes is held at once on every rank: 3.5 GiB at 1G."""
-    monkeypatch.setattr(checks, "_mem_available", lambda: 6 * checks.GiB)
+    monkeypatch.setattr(checks, "_mem_available", lambda: 6 * GiB)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i=0: (6 * checks.GiB, 8 * checks.GiB))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i=0: (6 * GiB, 8 * GiB))
     out = str(tmp_path / "p.json")
     assert cli.main(["calibrate", "--device", device, "--max-bytes", "1G", "--out", out]) == 2
     assert capsys.readouterr().err == (

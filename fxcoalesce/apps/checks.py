@@ -49,8 +49,9 @@ def _model(name: str, tp: int, step: str) -> None:
         raise ValueError(f"{name}: {e}") from None
 
 
-def _gpus(device: str, backend: str | None, tp: int) -> None:
-    """``--device cuda`` needs CUDA; ``--backend nccl`` needs CUDA tensors and a GPU per rank."""
+def _gpus(device: str, backend: str | None, tp: int, *, gloo_may_share: bool = False) -> None:
+    """``--device cuda`` needs CUDA; ``--backend nccl`` needs CUDA tensors and a GPU per rank
+    (``gloo_may_share``: the command runs gloo ranks on shared GPUs, as calibrate does)."""
     import torch
 
     cuda = torch.cuda.is_available()
@@ -63,9 +64,30 @@ def _gpus(device: str, backend: str | None, tp: int) -> None:
                          "(use --backend gloo)")
     if device != "cuda":
         raise ValueError("--backend nccl needs --device cuda (NCCL reduces GPU tensors only)")
-    if torch.cuda.device_count() < tp:
+    if (gpus := torch.cuda.device_count()) < tp:
+        fewer = "use --backend gloo to share them" if gloo_may_share else f"use --tp {gpus}"
         raise ValueError(f"--backend nccl needs a GPU per rank: --tp {tp}, but torch sees "
-                         f"{torch.cuda.device_count()} (use --backend gloo to share them)")
+                         f"{gpus} ({fewer})")
+
+
+def _no_gloo_on_cuda(device: str, backend: str, tp: int, given: bool) -> None:
+    """Model runs on CUDA need NCCL: gloo's all_gather of CUDA tensors kills the ranks with
+    SIGSEGV (DESIGN.md: torch 2.11, 2 ranks on one H200), and every model's output head
+    all_gathers its logits (``models/tp.py``, ``all_gather_last_dim``). calibrate, which
+    only all_reduces, may run gloo on CUDA."""
+    import torch
+
+    if device != "cuda" or backend != "gloo" or tp < 2:
+        return
+    gpus = torch.cuda.device_count()
+    why = ("gloo's all_gather of CUDA tensors kills the ranks with SIGSEGV (torch 2.11), and "
+           "the model's output head all_gathers its logits")
+    if given:
+        raise ValueError(f"--backend gloo with --device cuda: {why}; use --backend nccl with "
+                         f"a GPU per rank (torch sees {gpus}), or --device cpu")
+    raise ValueError(f"--device cuda --tp {tp} on {gpus} GPU{'s' * (gpus != 1)} means gloo "
+                     f"ranks (NCCL needs a GPU per rank), but {why}; use --tp {max(gpus, 1)} "
+                     "or --device cpu")
 
 
 def _unwritable(path: Path) -> str | None:
@@ -184,7 +206,8 @@ def _mem_available() -> int | None:
 def _fits(name: str, layers: int | None, tp: int, device: str) -> None:
     """The model fits where its ranks build it: each rank builds the whole model (bf16 on
     CUDA, fp32 on CPU) before keeping its 1/tp share, so the peak is the whole model per rank
-    (ranks sharing a GPU, or CPU memory, build at the same time), plus a margin."""
+    (CPU ranks share the memory and build at the same time; on CUDA each rank has a GPU of its
+    own, as gloo on CUDA is refused), plus a margin."""
     import torch
 
     from fxcoalesce import models
@@ -195,11 +218,10 @@ def _fits(name: str, layers: int | None, tp: int, device: str) -> None:
             f"parameters, {whole / GiB:.1f} GiB in {'bf16' if device == 'cuda' else 'fp32'}; "
             f"each rank builds the whole model before keeping 1/{tp} of it, so ")
     if device == "cuda":
-        gpus = torch.cuda.device_count()
-        sharing = -(-tp // gpus)
-        need = sharing * whole * 1.1 + 2 * GiB  # + CUDA context, workspace, activations
-        free = min(torch.cuda.mem_get_info(i)[0] for i in range(min(tp, gpus)))
-        where = f"each GPU ({sharing} rank{'s' * (sharing > 1)}) needs"
+        need = whole * 1.1 + 2 * GiB  # + CUDA context, workspace, activations
+        free = min(torch.cuda.mem_get_info(i)[0]
+                   for i in range(min(tp, torch.cuda.device_count())))
+        where = "each GPU (1 rank) needs"
     else:
         need, free = tp * whole * 1.1 + GiB, _mem_available()
         where = f"{tp} ranks need"
@@ -249,6 +271,7 @@ def check_bench(args) -> None:
     if args.layers is not None:
         _layers(args.model, args.layers)
     _gpus(args.device, args.backend, args.tp)
+    _no_gloo_on_cuda(args.device, _backend(args), args.tp, args.backend is not None)
     _hostable(args.tp, args.device)
     _fits(args.model, args.layers, args.tp, args.device)
 
@@ -319,6 +342,7 @@ def check_demo(args) -> None:
                              f"{args.model} has random weights, a random draft and no tokenizer "
                              "(its prompt is random token ids)")
     _gpus(args.device, args.backend, args.tp)
+    _no_gloo_on_cuda(args.device, _backend(args), args.tp, args.backend is not None)
     if args.model == PRETRAINED:
         from fxcoalesce.apps.spec.demo import head_path
 
@@ -422,5 +446,5 @@ def check_calibrate(args) -> None:
     if not args.budget > 0:
         raise ValueError(f"--budget must be > 0 seconds, not {args.budget}")
     _can_write_file(args.out, "calibrate")
-    _gpus(args.device, args.backend, args.tp)
+    _gpus(args.device, args.backend, args.tp, gloo_may_share=True)
     _calibrate_memory(text, args.max_bytes, args.tp, args.device)
