@@ -243,6 +243,15 @@ def test_every_option_has_help(cmd):
     assert all(a.help for a in sub.choices[cmd]._actions), cmd
 
 
+def test_help_is_plain_text():
+    """Regression: ``--help`` showed the module docstring's RST (````fxcoalesce````)."""
+    p = cli.parser()
+    sub = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction))
+    for name, text in [("fxcoalesce", p.format_help())] + [
+            (cmd, parser.format_help()) for cmd, parser in sub.choices.items()]:
+        assert "`" not in text, name
+
+
 def test_failed_rank_is_one_line_and_exit_1(monkeypatch, capsys):
     """A rank's exception comes back as its type and first line; -v adds its traceback."""
     tb = "Traceback (most recent call last):\n  File \"x.py\", line 1\nValueError: boom\n"
@@ -270,3 +279,7 @@ def test_inspect_writes_report(tmp_path):
     assert {"name", "ms"} <= rep["passes"][0].keys()
     assert "all_reduce" in (tmp_path / "before.txt").read_text()
     assert (tmp_path / "after.txt").read_text().count("all_reduce.default(") == 1 + L
+    # regression: report.json ended without a newline: the next output landed on its last line
+    for name in ("report.json", "before.txt", "after.txt"):
+        assert (tmp_path / name).read_text().endswith("\n"), name
+    assert proc.stdout.endswith(f"wrote {tmp_path}/report.json, before.txt, after.txt\n")

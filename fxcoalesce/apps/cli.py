@@ -41,8 +41,9 @@ def cmd_inspect(args) -> int:
     # DOT without --out goes to stdout, so that it pipes into `dot`; the table goes aside
     table_out = sys.stderr if args.format == "dot" and not args.out else sys.stdout
     cfg = Config(bucket_cap_mb=args.bucket_cap_mb)
+    sys.stdout.flush()  # what --trace printed comes first, also when both go to one pipe
     print(f"tracing {args.model} step={args.step} tp={args.tp} tokens={args.tokens} "
-          "under fake tensors ...", file=sys.stderr)
+          "under fake tensors ...", file=sys.stderr, flush=True)
     t = trace_model(args.model, tp=args.tp, tokens=args.tokens, step=args.step,
                     hand_merged=args.hand_merged, config=cfg, layers=args.layers)
     r = t.report
@@ -70,7 +71,7 @@ def cmd_inspect(args) -> int:
         extra = {"model": args.model, "world_size": args.tp, "tokens": args.tokens,
                  "step": args.step, "hand_merged": args.hand_merged, "layers": args.layers,
                  "trace_s": round(t.seconds, 2)}
-        (out / "report.json").write_text(r.to_json(**extra))
+        (out / "report.json").write_text(r.to_json(**extra) + "\n")  # a text file's last line
         (out / "before.txt").write_text(graph_text(t.before))
         (out / "after.txt").write_text(graph_text(t.after))
         print(f"wrote {out}/report.json, before.txt, after.txt")
@@ -229,7 +230,10 @@ def cmd_demo(args) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fxcoalesce", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="fxcoalesce", description="Tools of the fxcoalesce torch.compile backend (fewer, "
+        "smaller all_reduces for tensor-parallel inference): inspect, bench, demo, "
+        "train-draft, calibrate. 'fxcoalesce COMMAND --help' describes each.")
     p.add_argument("-v", "--verbose", action="store_true",
                    help="log each graph's report; show a failed rank's traceback")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -313,7 +317,7 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--trace", action="store_true",
                    help="after timing, profile 5 more calls of each compiled variant and write "
                         "rank 0's chrome trace as --out/trace_<variant>_t<tokens>.json "
-                        "(`inspect --trace FILE` draws one); bench.json gets each one's "
+                        "('inspect --trace FILE' draws one); bench.json gets each one's "
                         "collective time and the part no compute overlapped")
     b.set_defaults(fn=cmd_bench, check=checks.check_bench)
 
