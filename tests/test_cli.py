@@ -72,6 +72,8 @@ BAD_INPUT = [  # (arguments, the one stderr line after "fxcoalesce <cmd>: error:
     (["calibrate", "--max-bytes=-5M", "--out", "p.json"], "--max-bytes must be positive, not -5M"),
     (["calibrate", "--max-bytes", "5X", "--out", "p.json"],
      "--max-bytes 5X: not a byte count (e.g. 64M, 16K or 1024)"),
+    # regression: the ranks started, then each raised OverflowError
+    (["calibrate", "--budget", "inf", "--out", "p.json"], "--budget must be finite, not inf"),
 ]
 NEEDS_NO_CUDA = [
     (["bench", "--device", "cuda"], "--device cuda: torch sees no CUDA GPU (use --device cpu)"),

@@ -42,6 +42,7 @@ def fake_head(path, **changes):
      "llama-tiny, neox-tiny, llama-3-70b, falcon-40b, kimi-k2, deepseek-v3, kimi-k2-tiny, "
      "smollm2-135m"),
     (["train-draft", "--out", "x", "--minutes", "0"], "--minutes must be > 0, not 0.0"),
+    (["train-draft", "--out", "x", "--lr", "inf"], "--lr must be finite, not inf"),  # it trained
     (["train-draft", "--out", "x", "--ttt-steps", "0"], "--ttt-steps must be at least 1, not 0"),
     (["train-draft", "--out", "x", "--gen-share", "1.5"],
      "--gen-share must be in (0, 1], not 1.5"),

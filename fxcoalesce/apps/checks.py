@@ -32,6 +32,17 @@ def _at_least(minimum: int, why: str = "", **options: int) -> None:
                              f"not {value}{f' ({why})' if why else ''}")
 
 
+def _positive(unit: str = "", **options: float) -> None:
+    """Each ``--option`` (given by keyword) must be a finite number > 0 (``unit`` follows the
+    0 in the message)."""
+    for name, value in options.items():
+        option = f"--{name.replace('_', '-')}"
+        if not value > 0:
+            raise ValueError(f"{option} must be > 0{unit}, not {value}")
+        if not math.isfinite(value):
+            raise ValueError(f"{option} must be finite, not {value}")
+
+
 def _model(name: str, tp: int, step: str) -> None:
     """``name`` is known, ``tp`` ranks can shard it (its ``apply_tp`` rules) and it has ``step``."""
     from fxcoalesce import models
@@ -149,7 +160,8 @@ def _drawings(args) -> None:
         if wanted and not has_matplotlib():
             raise ValueError(NEEDS_MATPLOTLIB.format(what=option))
     if args.trace and not Path(args.trace).is_file():
-        raise ValueError(f"--trace {args.trace}: no such file")
+        kind = "a directory, not a trace file" if Path(args.trace).is_dir() else "no such file"
+        raise ValueError(f"--trace {args.trace}: {kind}")
 
 
 def check_inspect(args) -> None:
@@ -360,12 +372,10 @@ def check_train_draft(args) -> None:
     if args.target != PRETRAINED:
         raise ValueError(f"--target {args.target}: only {PRETRAINED} has pretrained weights "
                          "to distil from")
-    if not args.minutes > 0:
-        raise ValueError(f"--minutes must be > 0, not {args.minutes}")
+    _positive(minutes=args.minutes)
     if not 0 < args.gen_share <= 1:
         raise ValueError(f"--gen-share must be in (0, 1], not {args.gen_share}")
-    if not args.lr > 0:
-        raise ValueError(f"--lr must be > 0, not {args.lr}")
+    _positive(lr=args.lr)
     _at_least(1, gen_batch=args.gen_batch, gen_tokens=args.gen_tokens,
               draft_vocab=args.draft_vocab, ttt_steps=args.ttt_steps,
               batch_tokens=args.batch_tokens)
@@ -443,8 +453,7 @@ def check_calibrate(args) -> None:
         raise ValueError(f"--max-bytes {text}: at most 1G (every rank holds a buffer of each "
                          "size up to it at once, 3.5 GiB at 1G; the largest bucket fxcoalesce "
                          "makes by default is 512 MB)")
-    if not args.budget > 0:
-        raise ValueError(f"--budget must be > 0 seconds, not {args.budget}")
+    _positive(" seconds", budget=args.budget)
     _can_write_file(args.out, "calibrate")
     _gpus(args.device, args.backend, args.tp, gloo_may_share=True)
     _calibrate_memory(text, args.max_bytes, args.tp, args.device)
