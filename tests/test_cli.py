@@ -164,15 +164,16 @@ def test_nccl_needs_a_gpu_per_rank(monkeypatch, capsys, cmd, args, gpus, message
     assert capsys.readouterr().err == f"fxcoalesce {cmd}: error: {message}\n"
 
 
+GLOO_CUDA = ("gloo's functional all_gather of CUDA tensors, which the model's output head "
+             "issues, kills the ranks with SIGSEGV (torch 2.11)")
+
+
 @pytest.mark.parametrize("args, message", [
     (["--device", "cuda", "--backend", "gloo", "--tp", "2"], "--backend gloo with --device "
-     "cuda: gloo's all_gather of CUDA tensors kills the ranks with SIGSEGV (torch 2.11), and "
-     "the model's output head all_gathers its logits; use --backend nccl with a GPU per rank "
-     "(torch sees 1), or --device cpu"),
+     f"cuda: {GLOO_CUDA}; use --backend nccl with a GPU per rank (torch sees 1), or --device "
+     "cpu"),
     (["--device", "cuda", "--tp", "2"], "--device cuda --tp 2 on 1 GPU means gloo ranks (NCCL "
-     "needs a GPU per rank), but gloo's all_gather of CUDA tensors kills the ranks with SIGSEGV "
-     "(torch 2.11), and the model's output head all_gathers its logits; use --tp 1 or "
-     "--device cpu"),
+     f"needs a GPU per rank), but {GLOO_CUDA}; use --tp 1 or --device cpu"),
 ])
 @pytest.mark.parametrize("cmd", ["bench", "demo"])
 def test_gloo_on_cuda_is_refused_before_spawning(monkeypatch, capsys, cmd, args, message):
@@ -192,6 +193,22 @@ def test_calibrate_may_run_gloo_on_cuda(monkeypatch, tmp_path):
     args = cli.parser().parse_args(["calibrate", "--device", "cuda", "--backend", "gloo",
                                     "--out", str(tmp_path / "p.json")])
     checks.check_calibrate(args)  # no ValueError
+
+
+@pytest.mark.parametrize("backend, captured", [("gloo", False), ("nccl", True)])
+def test_calibrate_captures_cuda_graphs_with_nccl_only(monkeypatch, backend, captured):
+    """Regression: gloo on CUDA failed its capture, then every rank raised "Offset increment
+    outside graph capture encountered unexpectedly" (torch 2.11, one H200)."""
+    from fxcoalesce.apps.bench.calibrate import run_calibrate
+
+    def spawn(fn, world, args, **kwargs):
+        raise launch.RankError(0, "Stop", f"cudagraphs={args[2]}")
+
+    monkeypatch.setattr(launch, "spawn", spawn)
+    args = argparse.Namespace(backend=backend, device="cuda", tp=2, max_bytes=1024,
+                              no_cudagraphs=False, budget=0.1, nccl_mode="nvlink")
+    with pytest.raises(launch.RankError, match=f"cudagraphs={captured}"):
+        run_calibrate(args)
 
 
 @pytest.mark.parametrize("device, message", [

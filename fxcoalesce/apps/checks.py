@@ -82,17 +82,18 @@ def _gpus(device: str, backend: str | None, tp: int, *, gloo_may_share: bool = F
 
 
 def _no_gloo_on_cuda(device: str, backend: str, tp: int, given: bool) -> None:
-    """Model runs on CUDA need NCCL: gloo's all_gather of CUDA tensors kills the ranks with
-    SIGSEGV (DESIGN.md: torch 2.11, 2 ranks on one H200), and every model's output head
-    all_gathers its logits (``models/tp.py``, ``all_gather_last_dim``). calibrate, which
-    only all_reduces, may run gloo on CUDA."""
+    """Model runs on CUDA need NCCL: every model's output head all_gathers its logits with
+    ``funcol.all_gather_tensor`` (``models/tp.py``, ``all_gather_last_dim``), and over gloo
+    that kills the ranks with SIGSEGV for CUDA tensors (torch 2.11, 2 ranks on one H200;
+    ``dist.all_gather_into_tensor`` and host-staged tensors ran). calibrate, which only
+    all_reduces, may run gloo on CUDA."""
     import torch
 
     if device != "cuda" or backend != "gloo" or tp < 2:
         return
     gpus = torch.cuda.device_count()
-    why = ("gloo's all_gather of CUDA tensors kills the ranks with SIGSEGV (torch 2.11), and "
-           "the model's output head all_gathers its logits")
+    why = ("gloo's functional all_gather of CUDA tensors, which the model's output head "
+           "issues, kills the ranks with SIGSEGV (torch 2.11)")
     if given:
         raise ValueError(f"--backend gloo with --device cuda: {why}; use --backend nccl with "
                          f"a GPU per rank (torch sees {gpus}), or --device cpu")
