@@ -51,6 +51,8 @@ def fake_head(path, **changes):
      "1536"),
     (["demo", "--model", "smollm2-135m", "--draft", "/no/such/head"],
      "--draft /no/such/head: no such directory"),
+    (["demo", "--model", "smollm2-135m", "--draft", __file__],
+     f"--draft {__file__}: a file, not a head directory"),
 ])
 def test_refused_before_any_work(args, message):
     assert_refused(run_cli(*args), args[0], message)
