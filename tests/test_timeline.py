@@ -9,8 +9,9 @@ import pytest
 from graphs import GraphBuilder
 
 from fxcoalesce import CostModel
-from fxcoalesce.viz.draw import draw_timelines, has_matplotlib, read_chrome_trace
-from fxcoalesce.viz.timeline import predict_timeline
+from fxcoalesce.viz.draw import (draw_timelines, has_matplotlib, read_chrome_trace,
+                                 timeline_figure)
+from fxcoalesce.viz.timeline import Span, Timeline, predict_timeline
 
 # a matmul costs its launch, 4 µs (peaks too high to matter); an all_reduce 10 µs
 COST = CostModel(base_us=10.0, hop_us=0.0, bandwidth_gbps=1e9, peak_tflops=1e9,
@@ -99,3 +100,23 @@ def test_timeline_png_is_written(tmp_path):
                    tmp_path / "timeline.png")
     data = (tmp_path / "timeline.png").read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+COMPUTE = "compute (one bar per node, shades alternate)"
+
+
+@pytest.mark.skipif(not has_matplotlib(), reason="matplotlib not installed")
+@pytest.mark.parametrize("comm, hidden, labels", [
+    ([Span("ar", 4, 14)], [Span("ar", 4, 8)],
+     [COMPUTE, "collective, exposed", "collective, hidden under compute"]),
+    # regression: "hidden under compute" was named when nothing was hidden
+    ([Span("ar", 8, 14)], [], [COMPUTE, "collective, exposed"]),
+    ([Span("ar", 0, 8)], [Span("ar", 0, 8)], [COMPUTE, "collective, hidden under compute"]),
+    ([], [], [COMPUTE]),
+])
+def test_timeline_legend_names_what_is_drawn(comm, hidden, labels):
+    """One entry per colour drawn: the two compute shades together, then the collectives'
+    exposed and hidden parts only where there are some."""
+    tl = Timeline("t", compute=[Span("mm1", 0, 4), Span("mm2", 4, 8)], comm=comm, hidden=hidden)
+    legend = timeline_figure([tl]).legends[0]
+    assert [t.get_text() for t in legend.get_texts()] == labels

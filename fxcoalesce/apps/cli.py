@@ -41,8 +41,9 @@ def cmd_inspect(args) -> int:
     # DOT without --out goes to stdout, so that it pipes into `dot`; the table goes aside
     table_out = sys.stderr if args.format == "dot" and not args.out else sys.stdout
     cfg = Config(bucket_cap_mb=args.bucket_cap_mb)
+    sys.stdout.flush()  # what --trace printed comes first, also when both go to one pipe
     print(f"tracing {args.model} step={args.step} tp={args.tp} tokens={args.tokens} "
-          "under fake tensors ...", file=sys.stderr)
+          "under fake tensors ...", file=sys.stderr, flush=True)
     t = trace_model(args.model, tp=args.tp, tokens=args.tokens, step=args.step,
                     hand_merged=args.hand_merged, config=cfg, layers=args.layers)
     r = t.report
@@ -70,7 +71,7 @@ def cmd_inspect(args) -> int:
         extra = {"model": args.model, "world_size": args.tp, "tokens": args.tokens,
                  "step": args.step, "hand_merged": args.hand_merged, "layers": args.layers,
                  "trace_s": round(t.seconds, 2)}
-        (out / "report.json").write_text(r.to_json(**extra))
+        (out / "report.json").write_text(r.to_json(**extra) + "\n")  # a text file's last line
         (out / "before.txt").write_text(graph_text(t.before))
         (out / "after.txt").write_text(graph_text(t.after))
         print(f"wrote {out}/report.json, before.txt, after.txt")
@@ -196,17 +197,6 @@ def cmd_calibrate(args) -> int:
     return 0
 
 
-def _bytes(text: str) -> int:
-    """'64M', '16K', '1024' -> bytes (binary units)."""
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    text = text.strip().upper().removesuffix("B")
-    scale = units.get(text[-1:], 1)
-    try:
-        return int(float(text[:-1] if scale > 1 else text) * scale)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a byte count: {text!r} (e.g. 64M)") from None
-
-
 def _int_list(text: str) -> tuple[int, ...]:
     """'3,16,64' -> (3, 16, 64)."""
     try:
@@ -240,7 +230,10 @@ def cmd_demo(args) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fxcoalesce", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="fxcoalesce", description="Tools of the fxcoalesce torch.compile backend (fewer, "
+        "smaller all_reduces for tensor-parallel inference): inspect, bench, demo, "
+        "train-draft, calibrate. 'fxcoalesce COMMAND --help' describes each.")
     p.add_argument("-v", "--verbose", action="store_true",
                    help="log each graph's report; show a failed rank's traceback")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -324,7 +317,7 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--trace", action="store_true",
                    help="after timing, profile 5 more calls of each compiled variant and write "
                         "rank 0's chrome trace as --out/trace_<variant>_t<tokens>.json "
-                        "(`inspect --trace FILE` draws one); bench.json gets each one's "
+                        "('inspect --trace FILE' draws one); bench.json gets each one's "
                         "collective time and the part no compute overlapped")
     b.set_defaults(fn=cmd_bench, check=checks.check_bench)
 
@@ -349,9 +342,8 @@ def parser() -> argparse.ArgumentParser:
                    help="where weights and activations live (default: %(default)s)")
     d.add_argument("--out", help="directory to write demo.json into, created if missing "
                                  "(default: write nothing)")
-    d.add_argument("--prompt", default="Why is the sky blue?",
-                   help="smollm2-135m: the user message, chat template applied "
-                        "(default: %(default)r)")
+    d.add_argument("--prompt", help="smollm2-135m: the user message, chat template applied "
+                                    f"(default: {checks.DEFAULT_PROMPT!r})")
     d.add_argument("--draft", help="smollm2-135m: draft head directory from train-draft "
                                    "(default: the repository's heads/smollm2-135m)")
     d.set_defaults(fn=cmd_demo, check=checks.check_demo)
@@ -396,14 +388,18 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--nccl-mode", default="nvlink", choices=["nvlink", "p2p-off"],
                    help="NCCL only: p2p-off sets NCCL_P2P_DISABLE=1 (traffic through host "
                         "memory, like a PCIe box without peer-to-peer) (default: %(default)s)")
-    c.add_argument("--max-bytes", type=_bytes, default=64 << 20,
-                   help="largest all_reduce, e.g. 16M (default: 64M)")
+    c.add_argument("--max-bytes", default="64M",
+                   help="largest all_reduce, e.g. 16M, at most 1G: every size up to it is held "
+                        "at once on each rank, about 3.5 times this (default: %(default)s)")
     c.add_argument("--budget", type=float, default=1.0,
                    help="seconds of timing per size, roughly (default: %(default)s)")
     c.add_argument("--no-cudagraphs", action="store_true",
                    help="CUDA: time an eager loop instead of a captured CUDA graph")
     c.add_argument("--out", required=True, help="profile JSON to write")
     c.set_defaults(fn=cmd_calibrate, check=checks.check_calibrate)
+    # argparse takes "-5M" for an option unless it looks like a number: let the check say why
+    # a negative size is wrong (Python 3.13 already matches it; 3.11 does not)
+    c._negative_number_matcher = checks.NEGATIVE_SIZE
     return p
 
 

@@ -92,8 +92,13 @@ def _draw_panels(panels: list[Panel], path: Path, fmt: str, title: str) -> None:
 def draw_timelines(timelines: list[Timeline], path: str | Path, *, unit: str = "µs") -> None:
     """One panel per timeline, two lanes each: compute (nodes alternately shaded so they
     stay distinct) and communication (exposed in red, hidden under compute in green)."""
+    timeline_figure(timelines, unit).savefig(Path(path), dpi=110, bbox_inches="tight")
+
+
+def timeline_figure(timelines: list[Timeline], unit: str = "µs"):
+    """The matplotlib ``Figure`` that :func:`draw_timelines` writes; its legend names what is
+    drawn: each colour that appears, and only those."""
     from matplotlib.figure import Figure
-    from matplotlib.patches import Patch
 
     fig = Figure(figsize=(11, 1.7 * len(timelines) + 0.9), layout="constrained")
     axes = fig.subplots(len(timelines), 1, squeeze=False, sharex=True)[:, 0]
@@ -110,12 +115,30 @@ def draw_timelines(timelines: list[Timeline], path: str | Path, *, unit: str = "
         ax.set_ylim(-0.7, 1.7)
         ax.set_title(tl.summary(), fontsize=9, loc="left")
     axes[-1].set_xlabel(unit)
-    fig.legend(handles=[Patch(color=COMPUTE_COLOURS[0], label="compute"),
-                        Patch(color=EXPOSED, label="collective, exposed"),
-                        Patch(facecolor=HIDDEN, hatch="//", label="collective, hidden under "
-                                                                  "compute")],
-               loc="outside lower center", fontsize=8, ncols=3, frameon=False)
-    fig.savefig(Path(path), dpi=110, bbox_inches="tight")
+    handles, labels, handler_map = _timeline_legend(timelines)
+    fig.legend(handles, labels, handler_map=handler_map, loc="outside lower center",
+               fontsize=8, ncols=max(len(handles), 1), frameon=False)
+    return fig
+
+
+def _timeline_legend(timelines: list[Timeline]) -> tuple[list, list[str], dict]:
+    """Legend entries for what the timelines hold: the two compute shades as one entry, the
+    exposed part of the collectives if any is left exposed, the hidden part if any is hidden."""
+    from matplotlib.legend_handler import HandlerTuple
+    from matplotlib.patches import Patch
+
+    handles, labels = [], []
+    if any(tl.compute for tl in timelines):
+        shades = tuple(Patch(color=c) for c in COMPUTE_COLOURS)
+        handles.append(shades)
+        labels.append("compute (one bar per node, shades alternate)")
+    if any(tl.comm_us - tl.hidden_us > 1e-9 for tl in timelines):
+        handles.append(Patch(color=EXPOSED))
+        labels.append("collective, exposed")
+    if any(tl.hidden for tl in timelines):
+        handles.append(Patch(facecolor=HIDDEN, hatch="//", edgecolor="#2d6a3e"))
+        labels.append("collective, hidden under compute")
+    return handles, labels, {tuple: HandlerTuple(ndivide=None, pad=0)}
 
 
 def _leaves(events: list[dict]) -> list[dict]:

@@ -372,8 +372,10 @@ def run_calibrate(args) -> dict:
     backend = args.backend or "gloo"
     env = NCCL_MODES[args.nccl_mode] if backend == "nccl" else {}
     byte_sizes = sizes(max_bytes=args.max_bytes)
-    results = spawn(calibrate_worker, args.tp,
-                    (byte_sizes, args.device, not args.no_cudagraphs, args.budget),
+    # gloo runs its collectives from the host: a CUDA graph cannot capture them, and the
+    # failed capture broke the run (torch 2.11: "Offset increment outside graph capture")
+    cudagraphs = not args.no_cudagraphs and backend == "nccl"
+    results = spawn(calibrate_worker, args.tp, (byte_sizes, args.device, cudagraphs, args.budget),
                     backend=backend, env=env)
     return profile(results, backend=backend, device=args.device, world=args.tp,
                    nccl_mode=args.nccl_mode if backend == "nccl" else None,

@@ -39,7 +39,7 @@ def has_hand_merged(name: str) -> bool:
 
     try:
         dataclasses.replace(models.args_of(name), hand_merged=True)
-    except ValueError:  # sequential dense blocks: nothing independent to merge by hand
+    except (ValueError, TypeError):  # sequential blocks (Llama's config has no such field)
         return False
     return True
 

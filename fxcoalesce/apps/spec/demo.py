@@ -27,7 +27,8 @@ def head_path(given: str | None) -> Path:
     """``--draft``, else the repository's head; ValueError naming what to do when neither."""
     path = Path(given) if given else DEFAULT_HEAD
     if not path.is_dir():
-        raise ValueError(f"--draft {path}: no such directory" if given else
+        kind = "a file, not a head directory" if path.exists() else "no such directory"
+        raise ValueError(f"--draft {path}: {kind}" if given else
                          f"no draft head at {DEFAULT_HEAD}: pass --draft DIR (fxcoalesce "
                          f"train-draft --target {smollm2.NAME} --out DIR trains one)")
     return path

