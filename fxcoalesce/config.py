@@ -280,7 +280,7 @@ class Config:
                 raise TypeError(f"{name} must be a tuple (or list) of pass names, e.g. "
                                 f"('bucket',), not {names!r}")
             object.__setattr__(self, name, tuple(names))  # a list is taken, kept as a tuple
-        for name in ("reassociate", "strict", "slack_aware", "check_ranks"):
+        for name in ("reassociate", "strict", "slack_aware", "check_ranks", "lower"):
             if not isinstance(value := getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, not {value!r}")
         cap = self.bucket_cap_mb

@@ -429,11 +429,36 @@ def _run(args) -> int:
         return 1
 
 
+class _NamedOnce(logging.Formatter):
+    """``logger: message``, unless the message already starts with "fxcoalesce" (the
+    library's messages name themselves: ``fxcoalesce[graph 0]: ...``)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        return text if text.startswith("fxcoalesce") else f"{record.name}: {text}"
+
+
+def _quiet_missing_numpy() -> None:
+    """torch warns at import when numpy is absent; nothing here needs it (the base install
+    has none), so the main job's output and its ranks' stay clean."""
+    import os
+    import warnings
+
+    rule = "ignore:Failed to initialize NumPy"
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+    if rule not in os.environ.get("PYTHONWARNINGS", ""):  # spawned ranks read it at start
+        os.environ["PYTHONWARNINGS"] = ",".join(
+            x for x in (os.environ.get("PYTHONWARNINGS"), rule) if x)
+
+
 def main(argv: list[str] | None = None) -> int:
+    _quiet_missing_numpy()
     args = parser().parse_args(argv)
     args.command_line = "fxcoalesce " + " ".join(sys.argv[1:] if argv is None else argv)
+    handler = logging.StreamHandler()
+    handler.setFormatter(_NamedOnce("%(message)s"))
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(name)s: %(message)s")
+                        handlers=[handler])
     try:
         args.check(args)
         return _run(args)
