@@ -308,3 +308,10 @@ def describe(node: Node) -> str:
 def issue_sequence(graph: Graph) -> list[tuple[str | None, str]]:
     """The collectives ``graph`` launches, in order: (group name, :func:`describe` string)."""
     return [(group_of(n), describe(n)) for n in graph.nodes if is_collective(n)]
+
+
+def program_sequence(graph: Graph) -> list[tuple[str | None, str]]:
+    """:func:`issue_sequence` of a graph the pipeline has not rewritten, each collective named
+    by its own place as the pipeline names it (``meta.ORIGIN``): equal to the rewritten
+    graph's sequence exactly when the passes kept the program's collectives and order."""
+    return [(g, f"{d} <- #{i}") for i, (g, d) in enumerate(issue_sequence(graph))]

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 
 from . import compile_cache
 from .agreement import Agreement, agree, must_compare
-from .collectives import find_comm_blocks, issue_sequence
+from .collectives import find_comm_blocks, issue_sequence, program_sequence
 from .config import Config
 from .lowering import symm_problem
 from .pipeline import run_pipeline
@@ -118,7 +118,7 @@ class GraphCompile:
         def rewrite(graph_module):
             now = program_order(config) if self.closed else config
             new, report = run_pipeline(graph_module, now, name=self.name, record=self.closed)
-            built.program += issue_sequence(graph_module.graph)
+            built.program += program_sequence(graph_module.graph)
             built.sequence += issue_sequence(new.graph)
             built.all_reduces += find_comm_blocks(graph_module.graph).all_reduce_count
             built.reports.append(report)

@@ -132,8 +132,10 @@ def symm_problem(sequence) -> str | None:
                 continue
         except Exception:  # a group name nothing here resolves (hand-built graphs)
             continue
-        from fxcoalesce.kernels.symm import symm_mem_ready
-
+        try:
+            from fxcoalesce.kernels.symm import symm_mem_ready
+        except ImportError as e:  # every rank runs the same code: all of them land here
+            return f"fxcoalesce.kernels does not import: {e}"
         ok, why = symm_mem_ready(name)
         if not ok:
             return f"group {name}: {why}"

@@ -31,7 +31,7 @@ BAD_INPUT = [  # (arguments, the one stderr line after "fxcoalesce <cmd>: error:
     (["inspect"], "--model is required (--list names the models)"),
     (["inspect", "--model", "no-such-model"], "unknown model 'no-such-model'; choose one of: "
      "llama-tiny, neox-tiny, llama-3-70b, falcon-40b, kimi-k2, deepseek-v3, kimi-k2-tiny, "
-     "smollm2-135m"),
+     "smollm2-135m, llama-3-8b"),
     (["inspect", "--model", "neox-tiny", "--tp", "0"], "--tp must be at least 1, not 0"),
     (["inspect", "--model", "neox-tiny", "--tp", "3"], "neox-tiny: tensor parallelism 3 does "
      "not divide the key/value heads (4); choose a TP degree that divides 4"),
@@ -39,7 +39,7 @@ BAD_INPUT = [  # (arguments, the one stderr line after "fxcoalesce <cmd>: error:
     (["inspect", "--model", "neox-tiny", "--layers", "0"], "--layers must be at least 1, not 0"),
     (["inspect", "--model", "neox-tiny", "--tp", "4", "--step", "verify"], "neox-tiny has no "
      "'verify' step (it needs a KV-cached model: kimi-k2, deepseek-v3, kimi-k2-tiny, "
-     "smollm2-135m)"),
+     "smollm2-135m, llama-3-8b)"),
     (["inspect", "--model", "llama-tiny", "--tp", "4", "--hand-merged"], "--hand-merged: "
      "llama-tiny has sequential blocks (each all_reduce feeds the next block), so there is "
      "nothing to merge by hand; models with hand-merged code: neox-tiny, falcon-40b, kimi-k2, "
@@ -48,7 +48,7 @@ BAD_INPUT = [  # (arguments, the one stderr line after "fxcoalesce <cmd>: error:
      "--bucket-cap-mb: bucket_cap_mb must be a finite number > 0, not inf"),
     (["bench", "--model", "no-such-model"], "unknown model 'no-such-model'; choose one of: "
      "llama-tiny, neox-tiny, llama-3-70b, falcon-40b, kimi-k2, deepseek-v3, kimi-k2-tiny, "
-     "smollm2-135m"),
+     "smollm2-135m, llama-3-8b"),
     (["bench", "--tp", "0"], "--tp must be at least 1, not 0"),
     (["bench", "--tp", "3"], "neox-tiny: tensor parallelism 3 does not divide the key/value "
      "heads (4); choose a TP degree that divides 4"),
@@ -61,7 +61,7 @@ BAD_INPUT = [  # (arguments, the one stderr line after "fxcoalesce <cmd>: error:
     (["demo", "--tokens", "0"], "--tokens must be at least 2, not 0 (the first new token comes "
      "from the prefill, the others from verify steps)"),
     (["demo", "--model", "neox-tiny"], "neox-tiny has no 'verify' step (it needs a KV-cached "
-     "model: kimi-k2, deepseek-v3, kimi-k2-tiny, smollm2-135m)"),
+     "model: kimi-k2, deepseek-v3, kimi-k2-tiny, smollm2-135m, llama-3-8b)"),
     # regression: killed for memory after 42 s
     (["calibrate", "--max-bytes", "1e30", "--out", "p.json"], "--max-bytes 1e30: at most 1G "
      "(every rank holds a buffer of each size up to it at once, 3.5 GiB at 1G; the largest "

@@ -40,7 +40,7 @@ def fake_head(path, **changes):
      "--target kimi-k2: only smollm2-135m has pretrained weights to distil from"),
     (["train-draft", "--target", "nope", "--out", "x"], "unknown model 'nope'; choose one of: "
      "llama-tiny, neox-tiny, llama-3-70b, falcon-40b, kimi-k2, deepseek-v3, kimi-k2-tiny, "
-     "smollm2-135m"),
+     "smollm2-135m, llama-3-8b"),
     (["train-draft", "--out", "x", "--minutes", "0"], "--minutes must be > 0, not 0.0"),
     (["train-draft", "--out", "x", "--lr", "inf"], "--lr must be finite, not inf"),  # it trained
     (["train-draft", "--out", "x", "--ttt-steps", "0"], "--ttt-steps must be at least 1, not 0"),
