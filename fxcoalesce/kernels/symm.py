@@ -83,10 +83,10 @@ def _precheck(group_name: str) -> str | None:
     backend = str(dist.get_backend(pg))
     if backend == "fake":
         return "fake process group (tracing only): no devices, no peers"
-    if not torch.cuda.is_available():
-        return "torch sees no CUDA device"
     if "nccl" not in backend:
         return f"backend {backend!r}: symmetric memory needs CUDA ranks of an NCCL group"
+    if not torch.cuda.is_available():
+        return "torch sees no CUDA device"
     return None
 
 
