@@ -19,9 +19,12 @@ arithmetic (ATen's composite, which Inductor compiles: fp32 upcast, x * rsqrt(me
 times the weight in fp32, one cast back), so a pass that replaces ``all_reduce -> add ->
 rms_norm`` changes only ``residual_out``'s rounding: the unfused graph rounds the all_reduce's
 result to the dtype and then the add, this op rounds the fp32 sum once. In fp32 the two agree
-to fp32 roundoff; in bf16 they differ by at most 2^-8 (|sum| + 2 |sum + residual|) per
-element (two extra half-ulp roundings; see tests/test_kernels.py), and ``normed`` follows.
-The fused result is the closer one to the exact sum.
+to fp32 roundoff (bit for bit at 2 ranks). In bf16 (u = 2^-8, half an ulp), at 2 ranks, they
+differ by at most u (|S| (1 + u) + 2 |S + residual|) per element, S the exact sum of the
+partials (the unfused all_reduce's rounding plus two of the add; tests/test_kernels.py checks
+it); at W ranks the unfused all_reduce rounds inside the reduction too, about (W - 1) u
+sum |x_r| for the first term. ``normed`` follows through the norm. The fused residual_out is
+within half an ulp of the exact sum (an fp32 sum of a few bf16 values is exact or nearly).
 
 Implementations: the fake (shapes only) for tracing and Inductor, which places the op as an
 extern kernel; the reference (any device: c10d ``all_reduce`` of an fp32 copy on the group
