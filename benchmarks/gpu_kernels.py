@@ -189,7 +189,8 @@ def step_cuda_graph(out: dict) -> str:
     chained = torch.equal(ro2, r2[1]) and torch.allclose(n2, r2[0], **TOL[torch.float32])
     torch.cuda.synchronize()
     ws = symm._WORKSPACES[(name, 0)]
-    pad = ws.handle.get_signal_pad(ws.handle.rank, [symm._signal_pad_bytes() // 4], torch.int32)
+    slots = symm._signal_pad_bytes(ws.handle) // 4
+    pad = ws.handle.get_signal_pad(ws.handle.rank, [slots], torch.int32)
     out.update(replays=100, wrong_replays=wrong, chained_ok=chained,
                signal_pad_nonzero=int(pad.count_nonzero()))
     if wrong or not chained or out["signal_pad_nonzero"]:

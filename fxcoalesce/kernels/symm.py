@@ -44,6 +44,12 @@ MIN_WORKSPACE_BYTES = 1 << 20
 common case allocates once."""
 
 
+def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (False without CUDA, where
+    torch's own query raises)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def resolve_group(group_name: str) -> dist.ProcessGroup | None:
     """The process group named ``group_name``, or None when this process has none."""
     if not dist.is_available() or not dist.is_initialized():
@@ -63,15 +69,12 @@ def group_size(group_name: str) -> int:
 def _enable(group_name: str) -> None:
     """``enable_symm_mem_for_group``: still what Inductor's ``is_symm_mem_enabled_for_group``
     checks in 2.11-2.13, and deprecated (a FutureWarning) in 2.13."""
-    from torch.distributed._symmetric_memory import (
-        enable_symm_mem_for_group,
-        is_symm_mem_enabled_for_group,
-    )
+    from torch.distributed import _symmetric_memory as symm
 
-    if not is_symm_mem_enabled_for_group(group_name):
+    if not symm.is_symm_mem_enabled_for_group(group_name):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
-            enable_symm_mem_for_group(group_name)
+            symm.enable_symm_mem_for_group(group_name)
 
 
 def _precheck(group_name: str) -> str | None:
@@ -200,7 +203,7 @@ def symm_mem_ready(group_name: str) -> tuple[bool, str]:
     if why:
         _READY[group_name] = (False, why)
         return _READY[group_name]
-    if torch.cuda.is_current_stream_capturing():
+    if capturing():
         raise RuntimeError(f"symm_mem_ready({group_name!r}) is a collective set-up check and "
                            "cannot run during CUDA-graph capture; call it (or run the graph "
                            "once eagerly) before capturing")
@@ -226,15 +229,17 @@ _RETIRED: list[Workspace] = []
 MAX_BLOCKS = 32
 
 
-def _signal_pad_bytes() -> int:
-    """Signal pad size per allocation; 1024 B (32 blocks x 8 ranks x 4 B), the smallest
-    default of torch 2.11-2.13, when this torch does not say."""
+def _signal_pad_bytes(handle=None) -> int:
+    """Signal pad bytes per allocation: the handle's own figure, else this torch's setting,
+    else 1024 B (32 blocks x 8 ranks x 4 B), the smallest default of torch 2.11-2.13."""
     from torch.distributed import _symmetric_memory as symm
 
-    try:
-        return int(symm.get_signal_pad_size())
-    except Exception:  # torch without get_signal_pad_size
-        return 1024
+    for size in (lambda: handle.signal_pad_size, symm.get_signal_pad_size):
+        try:
+            return int(size())
+        except Exception:  # an older torch without it, or no handle
+            continue
+    return 1024
 
 
 def get_workspace(group_name: str, device: torch.device, nbytes: int) -> Workspace:
@@ -253,7 +258,7 @@ def get_workspace(group_name: str, device: torch.device, nbytes: int) -> Workspa
     ws = _WORKSPACES.get(key)
     if ws is not None and ws.nbytes >= nbytes:
         return ws
-    if torch.cuda.is_current_stream_capturing():
+    if capturing():
         have = 0 if ws is None else ws.nbytes
         raise RuntimeError(
             f"fxcoalesce: the symmetric workspace of group {group_name!r} holds {have} bytes "
@@ -275,7 +280,7 @@ def get_workspace(group_name: str, device: torch.device, nbytes: int) -> Workspa
         raise RuntimeError("fxcoalesce: symmetric workspace handle does not start at the "
                            "tensor (offset handle); the kernel's pointer table would be wrong")
     world = handle.world_size
-    max_blocks = min(MAX_BLOCKS, _signal_pad_bytes() // (4 * world))
+    max_blocks = min(MAX_BLOCKS, _signal_pad_bytes(handle) // (4 * world))
     if ws is not None:
         _RETIRED.append(ws)
     _WORKSPACES[key] = Workspace(tensor, handle, size, max_blocks)
