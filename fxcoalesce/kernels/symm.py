@@ -194,8 +194,9 @@ def symm_mem_ready(group_name: str) -> tuple[bool, str]:
     On CPU, gloo, a fake group or an unknown name it answers False at once, without any
     collective (those facts are shared by all ranks). Otherwise it is a collective, once
     per group per process (cached): it tests P2P for real (see ``_p2p_steps``) instead of
-    trusting the driver, and every rank takes the verdict of the worst rank. It never
-    raises; call it outside CUDA-graph capture (it raises there if nothing is cached yet).
+    trusting the driver, and every rank takes the verdict of the worst rank. A check that
+    raises on a rank becomes that rank's reason (only a failing vote itself, a broken group,
+    raises). Call it outside CUDA-graph capture: there it raises unless already cached.
     """
     if group_name in _READY:
         return _READY[group_name]
