@@ -36,12 +36,14 @@ from dataclasses import dataclass
 import torch
 from torch.fx import GraphModule, Node
 
+import fxcoalesce.kernels  # noqa: F401  (registers the fused op, also for cached code)
 from fxcoalesce.analysis import analyze
 from fxcoalesce.config import Config
 from fxcoalesce.cost import Roofline, graph_device, node_us
 from fxcoalesce.graph_order import reorder
 from fxcoalesce.lowering import FUSED, profile_tag
-from fxcoalesce.meta import ORIGIN, REPLACES, fake_mode_of, origin, propagate_val, replaced, tensor_val
+from fxcoalesce.meta import (ORIGIN, REPLACES, fake_mode_of, origin, propagate_val, replaced,
+                             tensor_val)
 
 from .decide import MIN_SAVING_SHARE, MIN_SAVING_US, Decider
 from .result import Bucket, PassResult
@@ -213,8 +215,9 @@ def fuse_norm_pass(gm: GraphModule, *, cfg: Config) -> PassResult:
             "ruled_out": {FUSED: fused_why} if fused_why else {}, "local": True})
         if chose != "fused":
             continue
-        new = _rewrite(graph, site, mode, cfg)
-        priority.update({n: priority[site.norm.out] - 0.5 for n in new})
+        at = priority[site.norm.out] - 0.5
+        new = rewrite(graph, site, mode, cfg)
+        priority.update({n: at for n in new})
         issue_keys[new[0]] = float(b.ordinal)
         result.buckets.append(Bucket(members=[b.collective.name], nbytes=b.nbytes,
                                      level=info.level, key=str(b.key), collective=new[0].name,
@@ -226,17 +229,18 @@ def fuse_norm_pass(gm: GraphModule, *, cfg: Config) -> PassResult:
 
 
 def _fused_missing(cfg: Config, block, decider: Decider, site: Site) -> str | None:
-    from fxcoalesce.lowering import op_available, options
+    from fxcoalesce.lowering import options
 
     _, why = options(block.key, block.nbytes, decider.world, decider.backend, cfg, (FUSED,))
     if FUSED in why:
         return why[FUSED]
     if site.norm.weight is None:
         return "an RMSNorm without weight (the kernel takes one)"
-    return op_available(FUSED)
+    return None
 
 
-def _rewrite(graph, site: Site, mode, cfg: Config) -> list[Node]:
+def rewrite(graph, site: Site, mode, cfg: Config) -> list[Node]:
+    """Replace ``site`` with the fused op; returns (fused, normed, residual_out) nodes."""
     b, norm = site.block, site.norm
     op = torch.ops.fxcoalesce.all_reduce_add_rms_norm.default
     with graph.inserting_before(norm.out):

@@ -24,6 +24,7 @@ from torch.fx import GraphModule
 
 from fxcoalesce.analysis import analyze
 from fxcoalesce.config import Config
+from fxcoalesce.kernels.fakes import ensure_symm_mem_fakes
 from fxcoalesce.lowering import profile_tag
 from fxcoalesce.meta import (ORIGIN, REPLACES, fake_mode_of, origin, propagate_val, replaced,
                              tensor_val)
@@ -60,6 +61,7 @@ def lower_pass(gm: GraphModule, *, cfg: Config) -> PassResult:
                                           (x, "sum", group))
                 propagate_val(new, mode)
             else:  # in place: on a buffer no other node reads, so none sees the sum
+                ensure_symm_mem_fakes()  # Inductor re-propagates fake values (none in 2.11)
                 own = x
                 if len(x.users) > 1 or x.op != "call_function" or tensor_val(x)._is_view():
                     own = graph.call_function(aten.clone.default, (x,),
