@@ -36,9 +36,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 MODELS = {  # name: (step, layers): full width, few layers, so every model fits one GPU
-    "llama-3-8b": ("verify", 2), "smollm2-135m": ("verify", None), "llama-tiny": ("forward", None),
+    "llama-3-8b": ("verify", 3), "smollm2-135m": ("verify", None), "llama-tiny": ("forward", None),
     "neox-tiny": ("forward", None), "falcon-40b": ("forward", 2), "llama-3-70b": ("forward", 2),
-    "kimi-k2-tiny": ("verify", None), "kimi-k2": ("verify", 3), "deepseek-v3": ("verify", 4),
+    "kimi-k2-tiny": ("verify", None), "deepseek-v3": ("verify", 4), "kimi-k2": ("verify", 3),
 }
 
 
@@ -63,7 +63,9 @@ def step_of(name: str, step: str, layers, tokens: int, group):
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = models.build(name, dtype=torch.bfloat16, layers=layers)
-        models.apply_tp(model, group)
+    models.apply_tp(model, group)
+    model.cuda()
+    with torch.device("cuda"):
         fn, args = make_step(model, step, tokens)
     return fn, [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
 
@@ -80,20 +82,27 @@ def median_ms(fn, args, calls: int = 20) -> float:
     return statistics.median(times)
 
 
+VARIANTS = ("nccl", "one_shot", "fused", "nccl_nocg", "one_shot_nocg")
+"""``_nocg``: without CUDA graphs, where Inductor places the one-shot's input in a P2P buffer
+itself (zero-copy); the others under ``mode="reduce-overhead"``."""
+
+
 def run_variant(fn, args, variant: str, profiles: dict) -> dict:
     import fxcoalesce
     from torch._dynamo.utils import counters
     from torch._inductor.utils import run_and_get_code
 
+    base = variant.removesuffix("_nocg")
     cfg = {"nccl": fxcoalesce.Config(lower=False),
            "one_shot": fxcoalesce.Config(cost=fxcoalesce.CostModel.from_profile(
                profiles["one_shot"]), disable=("fuse_norm",)),
            "fused": fxcoalesce.Config(cost=fxcoalesce.CostModel.from_profile(profiles["fused"]))
-           }[variant]
+           }[base]
+    mode = None if variant.endswith("_nocg") else "reduce-overhead"
     torch._dynamo.reset()
     counters.clear()
     fxcoalesce.clear_reports()
-    compiled = torch.compile(fn, backend=fxcoalesce.backend(cfg, mode="reduce-overhead"))
+    compiled = torch.compile(fn, backend=fxcoalesce.backend(cfg, mode=mode))
     t0 = time.perf_counter()
     with torch.no_grad():
         out, codes = run_and_get_code(compiled, *args)
@@ -108,9 +117,10 @@ def run_variant(fn, args, variant: str, profiles: dict) -> dict:
               if d.get("pass") in ("lower", "fuse_norm")]
     return {"out": out, "code": code, "ms": round(ms, 4), "compile_s": round(compile_s, 1),
             "lowered": {c: chosen.count(c) for c in set(chosen)},
-            "one_shot_calls": code.count("symm_mem.one_shot_all_reduce"),
+            "one_shot_calls": (code.count("symm_mem.one_shot_all_reduce")
+                               + code.count("fxcoalesce.one_shot_all_reduce")),
             "fused_calls": code.count("fxcoalesce.all_reduce_add_rms_norm"),
-            "p2p_buffers": len(re.findall(r"empty_strided_p2p", code)),
+            "p2p_buffers": len(re.findall(r"empty_strided_p2p\(", code)),
             "triton_launches": len(re.findall(r"\.run\(", code)),
             "cudagraph_skips": sum(counters["inductor"].get(k, 0) for k in
                                    ("cudagraph_skips",)),
@@ -122,8 +132,10 @@ def check_code(code: str, rec: dict, base: dict, variant: str) -> list[str]:
     from torch.testing import FileCheck
 
     checks = {
-        # a P2P buffer is allocated, then the one-shot reads it (the producer wrote into it)
-        "one_shot": lambda: FileCheck().check("empty_strided_p2p").check(
+        # under CUDA graphs the one-shot runs on a copy in the workspace (lowering.CUDAGRAPH_P2P)
+        "one_shot": lambda: FileCheck().check("fxcoalesce.one_shot_all_reduce").run(code),
+        # without: a P2P buffer is allocated, the producer writes into it, the one-shot reads it
+        "one_shot_nocg": lambda: FileCheck().check("empty_strided_p2p(").check(
             "symm_mem.one_shot_all_reduce").run(code),
         # the fused all_reduce + add + RMSNorm is one call in the wrapper
         "fused": lambda: FileCheck().check("fxcoalesce.all_reduce_add_rms_norm").run(code),
@@ -144,6 +156,8 @@ def main() -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--nocg-models", default="kimi-k2-tiny,llama-3-8b",
+                    help="models also compiled without CUDA graphs (the zero-copy one-shot)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("gpu_lower.py needs CUDA", file=sys.stderr)
@@ -163,8 +177,9 @@ def main() -> int:
         rec = results["models"][name] = {"step": step, "layers": layers}
         try:
             fn, inputs = step_of(name, step, layers, args.tokens, group)
-            base = None
-            for variant in ("nccl", "one_shot", "fused"):
+            base = {}
+            nocg = name in args.nocg_models.split(",")
+            for variant in [v for v in VARIANTS if nocg or not v.endswith("_nocg")]:
                 try:
                     r = run_variant(fn, inputs, variant, profiles)
                 except Exception as e:  # one variant failing must not hide the others
@@ -173,13 +188,15 @@ def main() -> int:
                     print(f"{name} {variant}: {rec[variant]['error']}", flush=True)
                     continue
                 out, code = r.pop("out"), r.pop("code")
-                if variant == "nccl":
-                    base, base_out = r, out
-                elif base is not None:
+                ref = "nccl_nocg" if variant.endswith("_nocg") else "nccl"
+                if variant == ref:
+                    base[ref] = (r, out)
+                elif ref in base:
+                    b, base_out = base[ref]
                     diff = (out.float() - base_out.float()).abs()
                     r["max_abs_diff"] = float(diff.max())
                     r["max_rel_diff"] = float(diff.max() / base_out.float().abs().max())
-                    r["problems"] = check_code(code, r, base, variant)
+                    r["problems"] = check_code(code, r, b, variant)
                 rec[variant] = r
                 print(f"{name} {variant}: {json.dumps(r)}", flush=True)
         except Exception as e:
@@ -189,8 +206,10 @@ def main() -> int:
     print("| model | variant | lowered | ms | max abs diff | skips | problems |")
     print("|---|---|---|---|---|---|---|")
     for name, rec in results["models"].items():
-        for v in ("nccl", "one_shot", "fused"):
-            r = rec.get(v, {})
+        for v in VARIANTS:
+            if v not in rec:
+                continue
+            r = rec[v]
             print(f"| {name} | {v} | {r.get('lowered', r.get('error', '-'))} | {r.get('ms')} | "
                   f"{r.get('max_abs_diff', '')} | {r.get('cudagraph_skips', '')} | "
                   f"{r.get('problems', '')} |")

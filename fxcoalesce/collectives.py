@@ -43,6 +43,7 @@ OTHER_COLLECTIVES = {
 }
 LOWERED = {
     "symm_mem::one_shot_all_reduce": "one_shot",
+    "fxcoalesce::one_shot_all_reduce": "one_shot",
     "symm_mem::two_shot_all_reduce_": "two_shot",
     "fxcoalesce::all_reduce_add_rms_norm": "fused_add_rms_norm",
 }
@@ -185,7 +186,7 @@ def _lowered_block(node: Node, ordinal: int, impl: str) -> CommBlock | str:
     inp, group, val = node.args[0], group_of(node), tensor_val(node.args[0])
     if group is None or val is None:
         return f"{impl} all_reduce without a group name or input metadata"
-    op = node.args[1] if impl != "fused_add_rms_norm" else "sum"
+    op = node.args[1] if isinstance(node.args[1], str) and len(node.args) > 2 else "sum"
     shape = tuple(val.shape)
     return CommBlock(collective=node, wait=node, input=inp,
                      key=Key(group=group, op=str(op), dtype=val.dtype, device=str(val.device)),

@@ -31,6 +31,7 @@ FUSED = "fused_add_rms_norm"
 SYMM_DTYPES = (torch.bfloat16, torch.float32)
 SYMM_WORLDS = (1, 2, 4, 8)
 SYMM_OPS = {"one_shot": "symm_mem::one_shot_all_reduce",
+            "one_shot_copy": "fxcoalesce::one_shot_all_reduce",
             "two_shot": "symm_mem::two_shot_all_reduce_",
             FUSED: "fxcoalesce::all_reduce_add_rms_norm"}
 
@@ -63,9 +64,9 @@ def symm_unusable(key: Key, world: int | None, backend: str | None, cfg: Config)
 
 def op_available(impl: str) -> str | None:
     """Why this torch cannot run ``impl`` inside a compiled graph (None: it can)."""
-    name = SYMM_OPS[impl]
+    name = SYMM_OPS["one_shot_copy" if impl == "one_shot" and under_cudagraphs() else impl]
     namespace, op = name.split("::")
-    if impl == FUSED:
+    if impl in (FUSED, "one_shot") and (impl == FUSED or under_cudagraphs()):
         try:
             import fxcoalesce.kernels  # noqa: F401  (registers the op)
         except ImportError as e:
@@ -79,6 +80,18 @@ def op_available(impl: str) -> str | None:
         if packet.default not in lowerings:
             return f"Inductor {torch.__version__} has no lowering for {name}"
     return None
+
+
+CUDAGRAPH_P2P = ("under CUDA graphs, P2P buffers Inductor allocates inside the graph's pool are "
+                 "flagged as leaked by CUDA-graph trees (torch 2.11, measured); the one-shot "
+                 "runs on a copy in fxcoalesce's workspace instead, the two-shot not at all")
+
+
+def under_cudagraphs() -> bool:
+    """Is this compile for CUDA graphs (``mode="reduce-overhead"``)? The same on every rank."""
+    from torch._inductor import config
+
+    return bool(config.triton.cudagraphs)
 
 
 def exposed_us(impl: str, us: float, window_us: float, cfg: Config) -> float:
@@ -99,6 +112,8 @@ def options(key: Key, nbytes: int, world: int | None, backend: str | None, cfg: 
         reason = None
         if impl != "nccl":
             reason = blocked or cfg.cost.impl_missing(impl, nbytes) or op_available(impl)
+            if reason is None and impl == "two_shot" and under_cudagraphs():
+                reason = CUDAGRAPH_P2P
         if reason is None:
             costs[impl] = cfg.cost.impl_us(impl, nbytes, world or 2)
         else:

@@ -242,9 +242,11 @@ def _fused_missing(cfg: Config, block, decider: Decider, site: Site) -> str | No
 def rewrite(graph, site: Site, mode, cfg: Config) -> list[Node]:
     """Replace ``site`` with the fused op; returns (fused, normed, residual_out) nodes."""
     b, norm = site.block, site.norm
+    # read now: an earlier site's rewrite may have replaced the residual (its sum) already
+    residual = None if site.sum is b.wait else _other(site.sum, b.wait)
     op = torch.ops.fxcoalesce.all_reduce_add_rms_norm.default
     with graph.inserting_before(norm.out):
-        fused = graph.call_function(op, (b.input, site.residual, norm.weight, norm.eps,
+        fused = graph.call_function(op, (b.input, residual, norm.weight, norm.eps,
                                          b.key.group))
         propagate_val(fused, mode)
         normed = graph.call_function(operator.getitem, (fused, 0))

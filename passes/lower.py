@@ -24,8 +24,9 @@ from torch.fx import GraphModule
 
 from fxcoalesce.analysis import analyze
 from fxcoalesce.config import Config
+import fxcoalesce.kernels  # noqa: F401  (registers fxcoalesce::one_shot_all_reduce)
 from fxcoalesce.kernels.fakes import ensure_symm_mem_fakes
-from fxcoalesce.lowering import profile_tag
+from fxcoalesce.lowering import CUDAGRAPH_P2P, profile_tag, under_cudagraphs
 from fxcoalesce.meta import (ORIGIN, REPLACES, fake_mode_of, origin, propagate_val, replaced,
                              tensor_val)
 
@@ -56,7 +57,12 @@ def lower_pass(gm: GraphModule, *, cfg: Config) -> PassResult:
             continue
         x, group = b.input, b.key.group
         with graph.inserting_before(b.collective):
-            if chosen == "one_shot":
+            if chosen == "one_shot" and under_cudagraphs():  # on a copy (lowering.CUDAGRAPH_P2P)
+                new = graph.call_function(torch.ops.fxcoalesce.one_shot_all_reduce.default,
+                                          (x, group))
+                propagate_val(new, mode)
+                record["variant"] = "copy-in: " + CUDAGRAPH_P2P
+            elif chosen == "one_shot":
                 new = graph.call_function(torch.ops.symm_mem.one_shot_all_reduce.default,
                                           (x, "sum", group))
                 propagate_val(new, mode)

@@ -6,6 +6,7 @@ write) and, where a calibrated profile says it wins, makes it one
 from __future__ import annotations
 
 import json
+import operator
 
 import pytest
 import torch
@@ -109,6 +110,24 @@ def test_fused_where_the_profile_says_it_wins(fused_wins, form, style):
     (d,) = report.decisions
     assert d["chose"] == "fused" and d["predicted_us"]["fused"] == 4.0
     assert report.all_reduce["after"] == 1  # still one all_reduce launch
+
+
+def test_consecutive_layers(fused_wins):
+    """Layer 2's residual is layer 1's sum, which layer 1's rewrite replaces: layer 2 reads
+    layer 1's residual output (found on the GPU: the stale residual broke the pass)."""
+    b = GraphBuilder()
+    x, h = val(b, "x", (1, 4, 64), torch.bfloat16, "cuda"), val(b, "h", (1, 4, 64),
+                                                                torch.bfloat16, "cuda")
+    w = val(b, "w", (64,), torch.bfloat16, "cuda")
+    s1 = b.add(b.all_reduce(b.call(aten.mul.Tensor, x, 2.0)), h)
+    n1 = decomposed_norm(b, s1, w)
+    s2 = b.add(b.all_reduce(b.call(aten.mul.Tensor, n1, 2.0)), s1)
+    out, report = fuse(b.build(decomposed_norm(b, s2, w), s2), fused_wins)
+    f1, f2 = calls(out, FUSED)
+    assert [d["chose"] for d in report.decisions] == ["fused", "fused"]
+    # layer 2's residual argument is layer 1's residual output
+    assert f2.args[1].target is operator.getitem and f2.args[1].args == (f1, 1)
+    out.graph.lint()
 
 
 @pytest.mark.parametrize("case, why", [

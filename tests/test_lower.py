@@ -202,3 +202,17 @@ def test_default_cost_model_never_lowers():
     assert fxcoalesce.analyze(out).scan.blocks[0].impl == "nccl"
     assert CostModel().impl_missing("one_shot", 1024).startswith("no cost profile has no "
                                                                  "one_shot curve")
+
+
+def test_under_cuda_graphs_one_shot_runs_on_a_copy(tmp_path):
+    """mode="reduce-overhead": Inductor's own P2P buffers break torch 2.11's CUDA-graph trees
+    (measured on one H200), so the one-shot runs on a copy in fxcoalesce's workspace, and
+    the two-shot is ruled out with the reason."""
+    with torch._inductor.config.patch({"triton.cudagraphs": True}):
+        out, report = lowered(profile(tmp_path))
+        (d,) = report.decisions
+        assert d["chose"] == "one_shot" and d["variant"].startswith("copy-in")
+        assert len(calls(out, torch.ops.fxcoalesce.one_shot_all_reduce.default)) == 1
+        assert not calls(out, ONE_SHOT)
+        (d,) = lowered(profile(tmp_path), one_reduction((512, 4096)))[1].decisions
+        assert d["chose"] == "nccl" and "CUDA-graph trees" in d["ruled_out"]["two_shot"]

@@ -11,6 +11,7 @@ no GPU and no Triton (the Triton kernel is imported only where Triton is).
         x, residual, weight, eps, group_name)
 """
 
+from . import one_shot  # noqa: F401  (registers fxcoalesce::one_shot_all_reduce)
 from .fakes import ensure_symm_mem_fakes
 from .ops import HAS_TRITON, kernel_supports, reference
 from .symm import get_workspace, symm_mem_ready
