@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.fx import Graph, Node
 
-from .meta import SLICED, numel, storage_of, tensor_val
+from .meta import (SLICED, hinted_numel, numel, size_hint, storage_of, tensor_val,  # noqa: F401
+                   tensor_vals)
 
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
@@ -43,8 +44,6 @@ OTHER_COLLECTIVES = {
 }
 COMM_WORDS = ("all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter",
               "all_to_all", "alltoall", "broadcast")
-UNHINTED_SIZE = 4096
-"""Stand-in for a data-dependent size with no hint (bucket-cap decisions only)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,22 +148,25 @@ def is_collective(node: Node) -> bool:
             or getattr(target, "namespace", "") == "_c10d_functional" or _looks_like_comm(node))
 
 
-def size_hint(s: int | torch.SymInt) -> int:
-    """A concrete value for a size: itself, its hint, or ``UNHINTED_SIZE`` when data-dependent."""
-    if isinstance(s, int):
-        return s
-    hint = getattr(s.node, "hint", None)
-    return int(hint) if hint is not None else UNHINTED_SIZE
+def op_name(node: Node) -> str:
+    """The short name of the node's op: "all_reduce", "wait_tensor", "select", ..."""
+    target = op_of(node)
+    return getattr(target, "_opname", None) or getattr(target, "__name__", None) or str(target)
 
 
-def _arg(node: Node, i: int, name: str):
-    return node.args[i] if len(node.args) > i else node.kwargs.get(name)
+def arg_of(node: Node, name: str, default=None):
+    """The argument ``name`` of a call to an op with a schema, positional or keyword."""
+    if name in node.kwargs:
+        return node.kwargs[name]
+    schema = getattr(op_of(node), "_schema", None)
+    names = [a.name for a in schema.arguments] if schema is not None else []
+    i = names.index(name) if name in names else len(node.args)
+    return node.args[i] if i < len(node.args) else default
 
 
 def _block_or_reason(node: Node, ordinal: int, order: dict[Node, int], sharing: dict
                      ) -> CommBlock | str:
-    inp = _arg(node, 0, "input")
-    op, group = _arg(node, 1, "reduce_op"), _arg(node, 2, "group_name")
+    inp, op, group = (arg_of(node, name) for name in ("input", "reduce_op", "group_name"))
     if not isinstance(inp, Node):
         return "input is not a graph node"
     if not isinstance(group, str):
@@ -193,7 +195,7 @@ def _block_or_reason(node: Node, ordinal: int, order: dict[Node, int], sharing: 
     return CommBlock(
         collective=node, wait=wait, input=inp,
         key=Key(group=group, op=str(op), dtype=val.dtype, device=str(val.device)),
-        shape=shape, nbytes=numel(size_hint(s) for s in shape) * val.element_size(),
+        shape=shape, nbytes=hinted_numel(shape) * val.element_size(),
         inplace=inplace, copy_back=copy_back, ordinal=ordinal,
     )
 
@@ -222,7 +224,7 @@ def find_comm_blocks(graph: Graph) -> CommScan:
             kind = OTHER_COLLECTIVES[op_of(node)]
             scan.other[kind] = scan.other.get(kind, 0) + 1
         elif getattr(op_of(node), "namespace", "") == "_c10d_functional":
-            kind = op_of(node)._opname
+            kind = op_name(node)
             scan.other[kind] = scan.other.get(kind, 0) + 1
         else:
             scan.unknown.append((node, f"opaque op {node.target} looks like communication; "
@@ -232,12 +234,7 @@ def find_comm_blocks(graph: Graph) -> CommScan:
 
 def group_of(node: Node) -> str | None:
     """The ``group_name`` argument of a collective, found through its schema (None if absent)."""
-    schema = getattr(op_of(node), "_schema", None)
-    names = [a.name for a in schema.arguments] if schema is not None else []
-    if "group_name" not in names:
-        return None
-    i = names.index("group_name")
-    group = node.args[i] if len(node.args) > i else node.kwargs.get("group_name")
+    group = arg_of(node, "group_name")
     return group if isinstance(group, str) else None
 
 
@@ -257,15 +254,11 @@ def group_setup(scan: CommScan) -> tuple[int | None, str | None]:
 
 def describe(node: Node) -> str:
     """One collective as peers must match it: kind, scalar arguments, dtypes and shapes."""
-    target = op_of(node)
-    name = getattr(target, "_opname", None) or getattr(target, "__name__", str(target))
     args = [a for a in node.args[1:] if isinstance(a, (str, int, float))]
-    val = node.meta.get("val", node.meta.get("example_value"))
-    vals = val if isinstance(val, (list, tuple)) else [val]
     tensors = ", ".join(f"{str(v.dtype).removeprefix('torch.')}{list(v.shape)}"
-                        for v in vals if isinstance(v, torch.Tensor))
+                        for v in tensor_vals(node))
     sliced = node.meta.get(SLICED)
-    return f"{name}({', '.join(map(str, args))}) -> {tensors}" + (
+    return f"{op_name(node)}({', '.join(map(str, args))}) -> {tensors}" + (
         f" of {sliced}" if sliced else "")
 
 

@@ -23,7 +23,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from fxcoalesce.analysis import analyze
-from fxcoalesce.collectives import ALL_REDUCE, WAIT
+from fxcoalesce.collectives import ALL_REDUCE, WAIT, op_name
 from fxcoalesce.config import Config
 from fxcoalesce.meta import REPLACES, SLICED, fake_mode_of, propagate_val, replaced
 
@@ -59,7 +59,7 @@ def slice_pass(gm: GraphModule, *, cfg: Config) -> PassResult:
         for n in (part, dense, fused, wait):
             propagate_val(n, mode)
         fused.meta[REPLACES] = replaced([block.collective])
-        fused.meta[SLICED] = f"{use.target._opname}{tuple(use.args[1:])}"
+        fused.meta[SLICED] = f"{op_name(use)}{tuple(use.args[1:])}"
         use.replace_all_uses_with(wait)
         for n in (use, block.wait, block.collective):
             graph.erase_node(n)
