@@ -53,9 +53,6 @@ class CollectiveDag:
     edges: list[tuple[str, str]]
     """(a, b): b depends on a, with no collective in between."""
 
-    def count(self, kind: str = "all_reduce") -> int:
-        return sum(n.kind == kind for n in self.nodes)
-
 
 def module_path(node: Node) -> str:
     """The innermost ``nn_module_stack`` entry as a dotted path below the compiled root
