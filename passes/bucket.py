@@ -29,9 +29,10 @@ from fxcoalesce.analysis import Analysis, BlockInfo, analyze
 from fxcoalesce.collectives import ALL_REDUCE, WAIT
 from fxcoalesce.config import Config
 from fxcoalesce.graph_order import reorder
-from fxcoalesce.meta import REPLACES, fake_mode_of, propagate_val, replaced, storage_of
+from fxcoalesce.meta import REPLACES, fake_mode_of, replaced, storage_of
 
 from .decide import Decider
+from .emit import Emitter, place
 from .result import Bucket, PassResult
 
 aten = torch.ops.aten
@@ -86,14 +87,6 @@ def quotient_is_acyclic(analysis: Analysis, plan: list[list[BlockInfo]]) -> bool
     return seen == len(indeg)
 
 
-def _emit(graph, cursor: Node, target, args, mode, new: list[Node]) -> Node:
-    with graph.inserting_after(cursor):
-        node = graph.call_function(target, args)
-    propagate_val(node, mode)
-    new.append(node)
-    return node
-
-
 def _fuse(gm: GraphModule, group: list[BlockInfo], floor: Node | None, mode,
           priority: dict[Node, float], output_storages: set) -> Node:
     graph = gm.graph
@@ -101,14 +94,7 @@ def _fuse(gm: GraphModule, group: list[BlockInfo], floor: Node | None, mode,
     # live inputs: a member may read the wait of a bucket fused just before, now replaced
     inputs = [b.collective.args[0] for b in blocks]
     anchor = max(inputs + ([floor] if floor is not None else []), key=priority.__getitem__)
-    new: list[Node] = []
-    cursor = anchor
-
-    def emit(target, *args):
-        nonlocal cursor
-        cursor = _emit(graph, cursor, target, args, mode, new)
-        return cursor
-
+    emit = Emitter(graph, after=anchor, mode=mode)
     flats = [emit(aten.reshape.default, x, [-1]) for x in inputs]
     # symbolic sizes are read off the member inputs: sym_size / sym_numel nodes
     shapes = [[s if isinstance(s, int) else emit(aten.sym_size.int, x, d)
@@ -128,9 +114,7 @@ def _fuse(gm: GraphModule, group: list[BlockInfo], floor: Node | None, mode,
         b.wait.replace_all_uses_with(out)
         graph.erase_node(b.wait)
         graph.erase_node(b.collective)
-    base = priority[anchor]
-    for j, n in enumerate(new):
-        priority[n] = base + (j + 1) / (len(new) + 1)
+    place(priority, emit.new, after=priority[anchor])
     return fused
 
 

@@ -31,9 +31,10 @@ from fxcoalesce.analysis import analyze
 from fxcoalesce.collectives import ALL_REDUCE, WAIT, CommBlock
 from fxcoalesce.config import Config
 from fxcoalesce.graph_order import reorder
-from fxcoalesce.meta import REPLACES, fake_mode_of, propagate_val, replaced, tensor_val
+from fxcoalesce.meta import REPLACES, fake_mode_of, replaced, tensor_val
 
 from .decide import Decider
+from .emit import Emitter, place
 from .result import Bucket, PassResult
 
 aten = torch.ops.aten
@@ -111,32 +112,19 @@ def _reducible(block: CommBlock, tree_dtype) -> bool:
             and block.key.dtype == tree_dtype)
 
 
-class _Emitter:
-    """Appends nodes before ``anchor`` with fake values; remembers them for priorities."""
-
-    def __init__(self, graph, anchor: Node, mode):
-        self.graph, self.anchor, self.mode, self.new = graph, anchor, mode, []
-
-    def __call__(self, target, *args) -> Node:
-        with self.graph.inserting_before(self.anchor):
-            node = self.graph.call_function(target, args)
-        propagate_val(node, self.mode)
-        self.new.append(node)
-        return node
-
-    def combination(self, terms: list[tuple[Node, float]]) -> Node:
-        """sum of coeff * node, with as few ops as the coefficients allow."""
-        total = None
-        for node, c in terms:
-            if total is None:
-                total = node if c == 1 else self(aten.mul.Tensor, node, c)
-            elif c == 1:
-                total = self(aten.add.Tensor, total, node)
-            elif c == -1:
-                total = self(aten.sub.Tensor, total, node)
-            else:
-                total = self(aten.add.Tensor, total, self(aten.mul.Tensor, node, c))
-        return total
+def combination(emit: Emitter, terms: list[tuple[Node, float]]) -> Node:
+    """sum of coeff * node, with as few ops as the coefficients allow."""
+    total = None
+    for node, c in terms:
+        if total is None:
+            total = node if c == 1 else emit(aten.mul.Tensor, node, c)
+        elif c == 1:
+            total = emit(aten.add.Tensor, total, node)
+        elif c == -1:
+            total = emit(aten.sub.Tensor, total, node)
+        else:
+            total = emit(aten.add.Tensor, total, emit(aten.mul.Tensor, node, c))
+    return total
 
 
 def _chosen(decider: Decider, info_of: dict, blocks: list[CommBlock], result: PassResult
@@ -172,18 +160,15 @@ def linearity_pass(gm: GraphModule, *, cfg: Config) -> PassResult:
         groups = {k: v for k, v in groups.items() if len(v) > 1}
         if not groups:
             continue
-        emit = _Emitter(graph, root, mode)
+        emit = Emitter(graph, before=root, mode=mode)
         reduced = []
         for key, blocks in groups.items():
             start = len(emit.new)
-            partial = emit.combination([(b.input, leaves[b.wait]) for b in blocks])
+            partial = combination(emit, [(b.input, leaves[b.wait]) for b in blocks])
             fused = emit(ALL_REDUCE, partial, key.op, key.group)
             fused.meta[REPLACES] = replaced(b.collective for b in blocks)
             # issued as soon as its last partial is ready; waited for where the root was
-            last = max(priority[b.input] for b in blocks)
-            issue = emit.new[start:]
-            for j, n in enumerate(issue):
-                priority[n] = last + (j + 1) / (len(issue) + 1)
+            place(priority, emit.new[start:], after=max(priority[b.input] for b in blocks))
             reduced.append(emit(WAIT, fused))
             issue_keys[fused] = float(min(b.ordinal for b in blocks))
             result.buckets.append(Bucket(
@@ -193,10 +178,8 @@ def linearity_pass(gm: GraphModule, *, cfg: Config) -> PassResult:
                 kind="sum"))
         merged = {b.wait for blocks in groups.values() for b in blocks}
         rest = [(leaf, c) for leaf, c in leaves.items() if leaf not in merged and c != 0]
-        value = emit.combination(rest + [(w, 1) for w in reduced])
-        tail = [n for n in emit.new if n not in priority]
-        for j, n in enumerate(tail):
-            priority[n] = priority[root] - 1 + (j + 1) / (len(tail) + 1)
+        value = combination(emit, rest + [(w, 1) for w in reduced])
+        place(priority, [n for n in emit.new if n not in priority], after=priority[root] - 1)
         root.replace_all_uses_with(value)
         for n in internal:  # root first: each is erased after its only user
             graph.erase_node(n)

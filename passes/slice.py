@@ -25,8 +25,9 @@ from torch.fx import GraphModule, Node
 from fxcoalesce.analysis import analyze
 from fxcoalesce.collectives import ALL_REDUCE, WAIT, op_name
 from fxcoalesce.config import Config
-from fxcoalesce.meta import REPLACES, SLICED, fake_mode_of, propagate_val, replaced
+from fxcoalesce.meta import REPLACES, SLICED, fake_mode_of, replaced
 
+from .emit import Emitter
 from .result import Bucket, PassResult
 
 aten = torch.ops.aten
@@ -50,14 +51,11 @@ def slice_pass(gm: GraphModule, *, cfg: Config) -> PassResult:
         (use,) = users
         if not _int_slice(use) or use.args[0] is not block.wait:
             continue
-        with graph.inserting_before(block.collective):
-            part = graph.call_function(use.target, (block.input, *use.args[1:]))
-            dense = graph.call_function(aten.clone.default, (part,),
-                                        {"memory_format": torch.contiguous_format})
-            fused = graph.call_function(ALL_REDUCE, (dense, block.key.op, block.key.group))
-            wait = graph.call_function(WAIT, (fused,))
-        for n in (part, dense, fused, wait):
-            propagate_val(n, mode)
+        emit = Emitter(graph, before=block.collective, mode=mode)
+        part = emit(use.target, block.input, *use.args[1:])
+        dense = emit(aten.clone.default, part, memory_format=torch.contiguous_format)
+        fused = emit(ALL_REDUCE, dense, block.key.op, block.key.group)
+        wait = emit(WAIT, fused)
         fused.meta[REPLACES] = replaced([block.collective])
         fused.meta[SLICED] = f"{op_name(use)}{tuple(use.args[1:])}"
         use.replace_all_uses_with(wait)
