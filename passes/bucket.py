@@ -29,7 +29,7 @@ from fxcoalesce.analysis import Analysis, BlockInfo, analyze
 from fxcoalesce.collectives import ALL_REDUCE, WAIT
 from fxcoalesce.config import Config
 from fxcoalesce.graph_order import reorder
-from fxcoalesce.meta import REPLACES, fake_mode_of, replaced, storage_of
+from fxcoalesce.meta import REPLACES, fake_mode_of, hinted_nbytes, replaced, storage_of
 
 from .decide import Decider
 from .emit import Emitter, place
@@ -150,7 +150,7 @@ def bucket_pass(gm: GraphModule, *, cfg: Config) -> PassResult:
         issue_keys[fused] = float(min(i.block.ordinal for i in group))
         result.buckets.append(Bucket(
             members=[i.block.collective.name for i in group],
-            nbytes=sum(i.block.nbytes for i in group),
+            nbytes=hinted_nbytes(fused.meta["val"]),
             level=group[0].level, key=str(group[0].block.key), collective=fused.name))
     reorder(gm.graph, priority, set(analysis.barriers), issue_keys)
     result.changed = True

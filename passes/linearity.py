@@ -31,7 +31,7 @@ from fxcoalesce.analysis import analyze
 from fxcoalesce.collectives import ALL_REDUCE, WAIT, CommBlock
 from fxcoalesce.config import Config
 from fxcoalesce.graph_order import reorder
-from fxcoalesce.meta import REPLACES, fake_mode_of, replaced, tensor_val
+from fxcoalesce.meta import REPLACES, fake_mode_of, hinted_nbytes, replaced, tensor_val
 
 from .decide import Decider
 from .emit import Emitter, place
@@ -174,7 +174,8 @@ def linearity_pass(gm: GraphModule, *, cfg: Config) -> PassResult:
             result.buckets.append(Bucket(
                 members=[b.collective.name for b in blocks],
                 level=max(info_of[b].level for b in blocks),
-                key=str(key), nbytes=sum(b.nbytes for b in blocks), collective=fused.name,
+                key=str(key), nbytes=hinted_nbytes(fused.meta["val"]),
+                collective=fused.name,
                 kind="sum"))
         merged = {b.wait for blocks in groups.values() for b in blocks}
         rest = [(leaf, c) for leaf, c in leaves.items() if leaf not in merged and c != 0]

@@ -25,7 +25,7 @@ from torch.fx import GraphModule, Node
 from fxcoalesce.analysis import analyze
 from fxcoalesce.collectives import ALL_REDUCE, WAIT, op_name
 from fxcoalesce.config import Config
-from fxcoalesce.meta import REPLACES, SLICED, fake_mode_of, replaced
+from fxcoalesce.meta import REPLACES, SLICED, fake_mode_of, hinted_nbytes, replaced
 
 from .emit import Emitter
 from .result import Bucket, PassResult
@@ -61,8 +61,8 @@ def slice_pass(gm: GraphModule, *, cfg: Config) -> PassResult:
         use.replace_all_uses_with(wait)
         for n in (use, block.wait, block.collective):
             graph.erase_node(n)
-        nbytes = part.meta["val"].numel() * part.meta["val"].element_size()
-        result.buckets.append(Bucket(members=[block.collective.name], nbytes=nbytes,
+        result.buckets.append(Bucket(members=[block.collective.name],
+                                     nbytes=hinted_nbytes(fused.meta["val"]),
                                      level=0, key=str(block.key), collective=fused.name,
                                      kind="slice"))
         # the slice is a local guess about rank-invariance: the backend agrees on it
