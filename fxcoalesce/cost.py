@@ -14,6 +14,7 @@ attention, which stay kernels of their own). ``fxcoalesce calibrate`` measures t
 from __future__ import annotations
 
 import itertools
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -62,17 +63,20 @@ def _flops(node: Node) -> int:
     return hinted_numel(out.shape) if out is not None else 0
 
 
-COST_KEY = "fxcoalesce_cost"
-"""Node meta key caching (roofline, µs): nodes are estimated once, whatever reads them."""
+_ESTIMATES: weakref.WeakKeyDictionary[Node, tuple[Roofline, float]] = (
+    weakref.WeakKeyDictionary())
+"""(roofline, µs) per node, so that each node is estimated once whatever reads it (the
+passes' deciders, the report's before and after). Kept off the graph: the pipeline's input
+graph is never written to, and an entry lives only as long as its node."""
 
 
 def node_us(node: Node, roof: Roofline) -> float:
     """Roofline time of one node (0 for views, collectives, waits and non-tensor nodes)."""
-    cached = node.meta.get(COST_KEY)
+    cached = _ESTIMATES.get(node)
     if cached is not None and cached[0] == roof:
         return cached[1]
     us = _node_us(node, roof)
-    node.meta[COST_KEY] = (roof, us)
+    _ESTIMATES[node] = (roof, us)
     return us
 
 

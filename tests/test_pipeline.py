@@ -64,9 +64,12 @@ def test_failing_pass_reraises_when_strict(monkeypatch):
 def test_input_module_is_never_modified():
     gm = diamond()
     code = gm.code
+    meta = {n.name: dict(n.meta) for n in gm.graph.nodes}
     out, _ = run_pipeline(gm, Config(strict=True))
     # a new module comes back; the input keeps its 4 all_reduces
     assert out is not gm and gm.code == code and len(all_reduces(gm)) == 4
+    # and its nodes' meta as it was (cost estimates were once cached there)
+    assert {n.name: dict(n.meta) for n in gm.graph.nodes} == meta
 
 
 @pytest.mark.parametrize("kwargs", [
