@@ -8,6 +8,7 @@ import torch
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_map
 
@@ -58,6 +59,12 @@ def storage_of(node: Node) -> StorageWeakRef | None:
 def numel(shape) -> int | torch.SymInt:
     """Product of ``shape`` (ints or SymInts)."""
     return math.prod(shape, start=1)
+
+
+def same_shape(a, b) -> bool:
+    """Are shapes ``a`` and ``b`` equal for every value of their symbols? (False when unsure;
+    adds no guard.)"""
+    return len(a) == len(b) and all(statically_known_true(x == y) for x, y in zip(a, b))
 
 
 def size_hint(s: int | torch.SymInt) -> int:

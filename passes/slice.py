@@ -2,13 +2,15 @@
 
 Requires: nothing (exact for every reduce op: reduction is elementwise across ranks).
 Ensures: an all_reduce whose wait has a single user that slices it with integer arguments
-(``slice``, ``select``; ``narrow`` and basic indexing lower to these) reduces the sliced part
-of its input instead: the bytes drop by the slice ratio. Last-token logits after a reduction
-are the typical case.
+(``slice``, ``select``; ``narrow`` and basic indexing lower to these), directly or through
+layout-only ops that nothing else reads (``passes.layout``: view, reshape, ...), reduces the
+sliced part of its input instead, put through the same layout ops: the bytes drop by the
+slice ratio. Last-token logits after a reduction are the typical case.
 
     before                                    after
-    %w = wait(all_reduce(%x, sum, 0))         %xs = select(%x, 1, -1)
-    %y = select(%w, 1, -1)                    %y  = wait(all_reduce(clone(%xs), sum, 0))
+    %w = wait(all_reduce(%x, sum, 0))         %xs = select(reshape(%x, [1, 6, 64]), 1, -1)
+    %v = view(%w, [1, 6, 64])                 %y  = wait(all_reduce(clone(%xs), sum, 0))
+    %y = select(%v, 1, -1)
 
 A slice whose arguments differ between ranks (``AR(x).chunk(world)[rank]``) would make this
 wrong, and one rank's graph cannot tell. So the new collective records its slice, which
@@ -28,6 +30,7 @@ from fxcoalesce.config import Config
 from fxcoalesce.meta import REPLACES, SLICED, fake_mode_of, hinted_nbytes, replaced
 
 from .emit import Emitter
+from .layout import layout_chain, replay
 from .result import Bucket, PassResult
 
 aten = torch.ops.aten
@@ -45,21 +48,22 @@ def slice_pass(gm: GraphModule, *, cfg: Config) -> PassResult:
     graph = gm.graph
     mode = fake_mode_of(analysis.order)
     for block in analysis.scan.blocks:
-        users = list(block.wait.users)
-        if block.inplace or block.copy_back is not None or len(users) != 1:
+        chain = layout_chain(block.wait, analysis.order)
+        users = list(chain.end.users)
+        if block.inplace or len(users) != 1:
             continue
         (use,) = users
-        if not _int_slice(use) or use.args[0] is not block.wait:
+        if not _int_slice(use) or use.args[0] is not chain.end:
             continue
         emit = Emitter(graph, before=block.collective, mode=mode)
-        part = emit(use.target, block.input, *use.args[1:])
+        part = emit(use.target, replay(emit, block.input, chain), *use.args[1:])
         dense = emit(aten.clone.default, part, memory_format=torch.contiguous_format)
         fused = emit(ALL_REDUCE, dense, block.key.op, block.key.group)
         wait = emit(WAIT, fused)
         fused.meta[REPLACES] = replaced([block.collective])
         fused.meta[SLICED] = f"{op_name(use)}{tuple(use.args[1:])}"
         use.replace_all_uses_with(wait)
-        for n in (use, block.wait, block.collective):
+        for n in (use, *reversed(chain.ops), block.wait, block.collective):
             graph.erase_node(n)
         result.buckets.append(Bucket(members=[block.collective.name],
                                      nbytes=hinted_nbytes(fused.meta["val"]),

@@ -18,6 +18,7 @@ from torch.fx import Graph, GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import (
     DimDynamic, ShapeEnv, StatelessSymbolicContext,
 )
+from torch.utils._pytree import tree_map
 
 from fxcoalesce.collectives import ALL_REDUCE, ALL_REDUCE_, WAIT
 from fxcoalesce.meta import propagate_val
@@ -89,6 +90,25 @@ def ops(gm: GraphModule) -> list[str]:
 def position(gm: GraphModule) -> dict[str, int]:
     """Node name -> index in node order."""
     return {n.name: i for i, n in enumerate(gm.graph.nodes)}
+
+
+def stale_vals(gm: GraphModule) -> list[str]:
+    """Nodes whose ``meta["val"]`` differs (shape, dtype, strides) from what their op gives on
+    their inputs' values: a rewrite must leave none."""
+    mode = next(n.meta["val"].fake_mode for n in gm.graph.find_nodes(op="placeholder"))
+    stale = []
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or not isinstance(n.meta.get("val"), torch.Tensor):
+            continue
+        args, kwargs = tree_map(lambda a: a.meta["val"] if isinstance(a, Node) else a,
+                                (n.args, n.kwargs))
+        with mode:
+            want = n.target(*args, **kwargs)
+        got = n.meta["val"]
+        if (str(want.shape), want.dtype, str(want.stride())) != (
+                str(got.shape), got.dtype, str(got.stride())):
+            stale.append(n.name)
+    return stale
 
 
 def substitute_collectives(gm: GraphModule) -> GraphModule:
