@@ -51,6 +51,7 @@ class Key:
     """What must match for two all_reduces to share one launch."""
 
     group: str
+    """The group's name, or how an FX-node group is made (:func:`group_identity`)."""
     op: str
     dtype: torch.dtype
     device: str
@@ -84,6 +85,12 @@ class CommBlock:
     @property
     def symbolic(self) -> bool:
         return not all(isinstance(s, int) for s in self.shape)
+
+    @property
+    def group(self) -> str | Node:
+        """The collective's group argument as the graph passes it: a name or an FX node (what
+        a collective replacing this one passes too)."""
+        return arg_of(self.collective, "group_name")
 
 
 @dataclass(slots=True)
@@ -169,8 +176,12 @@ def _block_or_reason(node: Node, ordinal: int, order: dict[Node, int], sharing: 
     inp, op, group = (arg_of(node, name) for name in ("input", "reduce_op", "group_name"))
     if not isinstance(inp, Node):
         return "input is not a graph node"
-    if not isinstance(group, str):
-        return f"group {group!r} is not a resolved group name"
+    key_group = group_identity(group)
+    if key_group is None and isinstance(group, Node):
+        return (f"group {group.name} is computed at run time by {group.target}: which "
+                "all_reduces share it is unknown")
+    if key_group is None:
+        return f"group {group!r} is not a group name"
     users = list(node.users)
     if len(users) != 1 or op_of(users[0]) is not WAIT:
         waits = sum(op_of(u) is WAIT for u in users)
@@ -194,7 +205,7 @@ def _block_or_reason(node: Node, ordinal: int, order: dict[Node, int], sharing: 
     shape = tuple(val.shape)
     return CommBlock(
         collective=node, wait=wait, input=inp,
-        key=Key(group=group, op=str(op), dtype=val.dtype, device=str(val.device)),
+        key=Key(group=key_group, op=str(op), dtype=val.dtype, device=str(val.device)),
         shape=shape, nbytes=hinted_numel(shape) * val.element_size(),
         inplace=inplace, copy_back=copy_back, ordinal=ordinal,
     )
@@ -232,9 +243,36 @@ def find_comm_blocks(graph: Graph) -> CommScan:
     return scan
 
 
+MESH_GROUP = "_dtensor.mesh_get_process_group.default"
+"""What a collective's group is under ``torch.distributed.config.compile_on_one_rank``: an
+op resolving a device mesh's dimension to its group at run time."""
+
+
+def group_identity(group) -> str | None:
+    """What identifies a collective's group within one graph: its name; or, for a group the
+    graph computes (``compile_on_one_rank``: ``mesh_get_process_group(mesh, dim)`` of a mesh
+    the graph takes as an input, or a process group input itself), how it is made, since two
+    collectives reading one mesh input's same dimension share a group whatever rank runs the
+    graph. None when neither says."""
+    if isinstance(group, str):
+        return group
+    if not isinstance(group, Node):
+        return None
+    if group.op == "placeholder":
+        return f"<input {group.name}>"
+    if group.op == "call_function" and str(group.target) == MESH_GROUP and not group.kwargs:
+        mesh, dim = (*group.args, None)[:2]
+        if isinstance(mesh, Node) and mesh.op == "placeholder" and isinstance(dim, int):
+            return f"<mesh {mesh.name} dim {dim}>"
+    return None
+
+
 def group_of(node: Node) -> str | None:
-    """The ``group_name`` argument of a collective, found through its schema (None if absent)."""
+    """The name of a collective's group: its ``group_name`` argument, or the name of the
+    process group an FX-node group resolved to when the graph was traced (None if neither)."""
     group = arg_of(node, "group_name")
+    if isinstance(group, Node):
+        group = getattr(group.meta.get("val"), "group_name", None)
     return group if isinstance(group, str) else None
 
 
@@ -245,7 +283,7 @@ def group_setup(scan: CommScan) -> tuple[int | None, str | None]:
 
     for block in scan.blocks:
         try:
-            group = dist.distributed_c10d._resolve_process_group(block.key.group)
+            group = dist.distributed_c10d._resolve_process_group(group_of(block.collective))
             return group.size(), dist.get_backend(group)
         except Exception:  # unknown group names (hand-built graphs): nothing to model
             return None, None

@@ -103,7 +103,7 @@ def _fuse(gm: GraphModule, group: list[BlockInfo], floor: Node | None, mode,
               for x, b in zip(inputs, blocks)]
     cat = emit(aten.cat.default, flats)
     key = blocks[0].key
-    fused = emit(ALL_REDUCE, cat, key.op, key.group)
+    fused = emit(ALL_REDUCE, cat, key.op, blocks[0].group)
     fused.meta[REPLACES] = replaced(b.collective for b in blocks)
     wait = emit(WAIT, fused)
     parts = emit(aten.split_with_sizes.default, wait, numels)

@@ -196,7 +196,7 @@ def linearity_pass(gm: GraphModule, *, cfg: Config) -> PassResult:
                                          for b, chain in group])
             blocks = [b for b, _ in group]
             key = blocks[0].key
-            fused = emit(ALL_REDUCE, partial, key.op, key.group)
+            fused = emit(ALL_REDUCE, partial, key.op, blocks[0].group)
             fused.meta[REPLACES] = replaced(b.collective for b in blocks)
             # issued as soon as its last partial is ready; waited for where the root was
             place(priority, emit.new[start:], after=max(priority[b.input] for b in blocks))

@@ -58,7 +58,7 @@ def slice_pass(gm: GraphModule, *, cfg: Config) -> PassResult:
         emit = Emitter(graph, before=block.collective, mode=mode)
         part = emit(use.target, replay(emit, block.input, chain), *use.args[1:])
         dense = emit(aten.clone.default, part, memory_format=torch.contiguous_format)
-        fused = emit(ALL_REDUCE, dense, block.key.op, block.key.group)
+        fused = emit(ALL_REDUCE, dense, block.key.op, block.group)
         wait = emit(WAIT, fused)
         fused.meta[REPLACES] = replaced([block.collective])
         fused.meta[SLICED] = f"{op_name(use)}{tuple(use.args[1:])}"
