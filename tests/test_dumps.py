@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from graphs import GraphBuilder
+from torch.testing import FileCheck
 
 import fxcoalesce.pipeline as pipeline
 from fxcoalesce import Config, run_pipeline
@@ -94,7 +95,9 @@ def test_fxcoalesce_dump_writes_every_graph(compiled_with_env):
                                                            "report.json"]
     report = json.loads((graphs[0] / "report.json").read_text())
     assert (report["all_reduce"]["before"], report["all_reduce"]["after"]) == (2, 1)
-    assert (graphs[0] / "after.txt").read_text().count("# fxcoalesce: replaces") == 1
+    # the one new all_reduce, named as what it replaces, right above it
+    FileCheck().check_count("# fxcoalesce: replaces", 1, exactly=True).check_next(
+        "all_reduce").run((graphs[0] / "after.txt").read_text())
 
 
 def test_torch_trace_holds_the_artifacts(compiled_with_env):
