@@ -73,6 +73,16 @@ class GraphBuilder:
         return GraphModule(torch.nn.Module(), self.graph)
 
 
+def diamond() -> GraphModule:
+    """x -> AR1 -> {AR2, AR3} -> add -> AR4: 4 launches, bound 3 (AR2 and AR3 share level 2)."""
+    b = GraphBuilder()
+    x, w = b.input("x"), b.input("w")
+    w1 = b.all_reduce(b.mm(x, w))
+    w2 = b.all_reduce(b.mm(w1, w))
+    w3 = b.all_reduce(b.add(w1, x))
+    return b.build(b.all_reduce(b.add(w2, w3)))
+
+
 def calls(gm: GraphModule, target) -> list[Node]:
     return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is target]
 

@@ -11,7 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from graphs import GraphBuilder
+from graphs import diamond
 from torch.testing import FileCheck
 
 import fxcoalesce.pipeline as pipeline
@@ -21,15 +21,6 @@ from fxcoalesce.pipeline import graph_text
 ARTIFACTS = ("fxcoalesce_before", "fxcoalesce_after", "fxcoalesce_report",
              "fxcoalesce_collectives")
 
-
-def diamond():
-    """x -> AR0 -> {AR1, AR2} -> add -> AR3."""
-    b = GraphBuilder()
-    x, w = b.input("x"), b.input("w")
-    w1 = b.all_reduce(b.mm(x, w))
-    w2 = b.all_reduce(b.mm(w1, w))
-    w3 = b.all_reduce(b.add(w1, x))
-    return b.build(b.all_reduce(b.add(w2, w3)))
 
 
 def test_after_text_names_what_each_new_collective_replaces():

@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from graphs import GraphBuilder, all_reduces, real_inputs, run
-from torch.fx import GraphModule
+from graphs import all_reduces, diamond, real_inputs, run
 from torch.testing import FileCheck
 
 import fxcoalesce
@@ -26,15 +25,6 @@ from fxcoalesce.passes import PASSES
 TESTS = Path(__file__).parent
 backend_mod = importlib.import_module("fxcoalesce.compiler")
 
-
-def diamond() -> GraphModule:
-    """x -> AR1 -> {AR2, AR3} -> add -> AR4: 4 launches, bound 3."""
-    b = GraphBuilder()
-    x, w = b.input("x"), b.input("w")
-    w1 = b.all_reduce(b.mm(x, w))
-    w2 = b.all_reduce(b.mm(w1, w))
-    w3 = b.all_reduce(b.add(w1, x))
-    return b.build(b.all_reduce(b.add(w2, w3)))
 
 
 def boom(gm, *, cfg):
