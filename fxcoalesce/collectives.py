@@ -21,8 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.fx import Graph, Node
 
-from .meta import (SLICED, hinted_numel, numel, size_hint, storage_of, tensor_val,  # noqa: F401
-                   tensor_vals)
+from .meta import SLICED, hinted_numel, numel, storage_of, tensor_val, tensor_vals
 
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten

@@ -71,7 +71,7 @@ def _worker(rank, world, root, cases, codegen):
     ids = (torch.arange(TOKENS) % SMALL["vocab_size"]).reshape(1, TOKENS)
     for name, grad in cases:
         model = transformers.AutoModelForCausalLM.from_pretrained(
-            f"{root}/{name}", tp_plan="auto", dtype=torch.float32).eval()
+            f"{root}/{name}", tp_plan="auto").eval()  # float32, as saved
         reports = []
         be = fxcoalesce.backend(fxcoalesce.Config(codegen=codegen, strict=True),
                                 on_graph=lambda b, a, r: reports.append(r))
