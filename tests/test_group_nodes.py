@@ -67,6 +67,27 @@ def test_a_sum_over_one_mesh_dimension_becomes_one_all_reduce():
     torch.testing.assert_close(out, want)
 
 
+def test_dtensor_partial_sums_compiled_on_one_rank_become_one_all_reduce():
+    """DTensor's redistribute (Partial -> Replicate) under compile_on_one_rank: the group is
+    a mesh node and ``to_local`` leaves a view after each wait; both are seen through."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    mesh = mesh_of((2,), ("tp",))
+
+    def reduced(t):
+        return DTensor.from_local(t, mesh, [Partial()]).redistribute(
+            mesh, [Replicate()]).to_local()
+
+    def f(x, y):
+        return (reduced(x * 2) + reduced(y * 3),)
+
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    out, want, _, report = compile_on_one_rank(f, x, y)
+    assert [b["kind"] for b in report.buckets] == ["sum"]
+    assert (report.all_reduce["after"], report.all_reduce["left_alone"]) == (1, 0)
+    torch.testing.assert_close(out, want)
+
+
 def test_dimensions_of_a_mesh_are_different_groups():
     mesh = mesh_of((2, 2), ("dp", "tp"))
 
