@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.fx import Graph, Node
 
-from .meta import ORIGIN, SLICED, numel, storage_of, tensor_val
+from .meta import ORIGIN, SLICED, hinted_numel, numel, storage_of, tensor_val, tensor_vals
 
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
@@ -52,8 +52,6 @@ op name: each is its own wait (it returns the reduced value), on a group named b
 ``group_name`` argument."""
 COMM_WORDS = ("all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter",
               "all_to_all", "alltoall", "broadcast")
-UNHINTED_SIZE = 4096
-"""Stand-in for a data-dependent size with no hint (bucket-cap decisions only)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +59,7 @@ class Key:
     """What must match for two all_reduces to share one launch."""
 
     group: str
+    """The group's name, or how an FX-node group is made (:func:`group_identity`)."""
     op: str
     dtype: torch.dtype
     device: str
@@ -97,6 +96,12 @@ class CommBlock:
     @property
     def symbolic(self) -> bool:
         return not all(isinstance(s, int) for s in self.shape)
+
+    @property
+    def group(self) -> str | Node:
+        """The collective's group argument as the graph passes it: a name or an FX node (what
+        a collective replacing this one passes too)."""
+        return arg_of(self.collective, "group_name")
 
 
 @dataclass(slots=True)
@@ -170,27 +175,32 @@ def is_collective(node: Node) -> bool:
             or getattr(target, "namespace", "") == "_c10d_functional" or _looks_like_comm(node))
 
 
-def size_hint(s: int | torch.SymInt) -> int:
-    """A concrete value for a size: itself, its hint, or ``UNHINTED_SIZE`` when data-dependent."""
-    if isinstance(s, int):
-        return s
-    hint = getattr(s.node, "hint", None)
-    return int(hint) if hint is not None else UNHINTED_SIZE
+def op_name(node: Node) -> str:
+    """The short name of the node's op: "all_reduce", "wait_tensor", "select", ..."""
+    target = op_of(node)
+    return getattr(target, "_opname", None) or getattr(target, "__name__", None) or str(target)
 
 
-def _arg(node: Node, i: int, name: str):
-    return node.args[i] if len(node.args) > i else node.kwargs.get(name)
+def arg_of(node: Node, name: str, default=None):
+    """The argument ``name`` of a call to an op with a schema, positional or keyword."""
+    if name in node.kwargs:
+        return node.kwargs[name]
+    schema = getattr(op_of(node), "_schema", None)
+    names = [a.name for a in schema.arguments] if schema is not None else []
+    i = names.index(name) if name in names else len(node.args)
+    return node.args[i] if i < len(node.args) else default
 
 
 def _lowered_block(node: Node, ordinal: int, impl: str) -> CommBlock | str:
-    inp, group, val = node.args[0], group_of(node), tensor_val(node.args[0])
+    inp, val = node.args[0], tensor_val(node.args[0])
+    group = group_identity(arg_of(node, "group_name"))
     if group is None or val is None:
         return f"{impl} all_reduce without a group name or input metadata"
     op = node.args[1] if isinstance(node.args[1], str) and len(node.args) > 2 else "sum"
     shape = tuple(val.shape)
     return CommBlock(collective=node, wait=node, input=inp,
                      key=Key(group=group, op=str(op), dtype=val.dtype, device=str(val.device)),
-                     shape=shape, nbytes=numel(size_hint(s) for s in shape) * val.element_size(),
+                     shape=shape, nbytes=hinted_numel(shape) * val.element_size(),
                      inplace=False, copy_back=None, ordinal=ordinal, impl=impl)
 
 
@@ -198,12 +208,15 @@ def _block_or_reason(node: Node, ordinal: int, order: dict[Node, int], sharing: 
                      ) -> CommBlock | str:
     if (impl := lowered_impl(node)) is not None:
         return _lowered_block(node, ordinal, impl)
-    inp = _arg(node, 0, "input")
-    op, group = _arg(node, 1, "reduce_op"), _arg(node, 2, "group_name")
+    inp, op, group = (arg_of(node, name) for name in ("input", "reduce_op", "group_name"))
     if not isinstance(inp, Node):
         return "input is not a graph node"
-    if not isinstance(group, str):
-        return f"group {group!r} is not a resolved group name"
+    key_group = group_identity(group)
+    if key_group is None and isinstance(group, Node):
+        return (f"group {group.name} is computed at run time by {group.target}: which "
+                "all_reduces share it is unknown")
+    if key_group is None:
+        return f"group {group!r} is not a group name"
     users = list(node.users)
     if len(users) != 1 or op_of(users[0]) is not WAIT:
         waits = sum(op_of(u) is WAIT for u in users)
@@ -227,8 +240,8 @@ def _block_or_reason(node: Node, ordinal: int, order: dict[Node, int], sharing: 
     shape = tuple(val.shape)
     return CommBlock(
         collective=node, wait=wait, input=inp,
-        key=Key(group=group, op=str(op), dtype=val.dtype, device=str(val.device)),
-        shape=shape, nbytes=numel(size_hint(s) for s in shape) * val.element_size(),
+        key=Key(group=key_group, op=str(op), dtype=val.dtype, device=str(val.device)),
+        shape=shape, nbytes=hinted_numel(shape) * val.element_size(),
         inplace=inplace, copy_back=copy_back, ordinal=ordinal,
     )
 
@@ -257,7 +270,7 @@ def find_comm_blocks(graph: Graph) -> CommScan:
             kind = OTHER_COLLECTIVES[op_of(node)]
             scan.other[kind] = scan.other.get(kind, 0) + 1
         elif getattr(op_of(node), "namespace", "") == "_c10d_functional":
-            kind = op_of(node)._opname
+            kind = op_name(node)
             scan.other[kind] = scan.other.get(kind, 0) + 1
         else:
             scan.unknown.append((node, f"opaque op {node.target} looks like communication; "
@@ -265,14 +278,36 @@ def find_comm_blocks(graph: Graph) -> CommScan:
     return scan
 
 
-def group_of(node: Node) -> str | None:
-    """The ``group_name`` argument of a collective, found through its schema (None if absent)."""
-    schema = getattr(op_of(node), "_schema", None)
-    names = [a.name for a in schema.arguments] if schema is not None else []
-    if "group_name" not in names:
+MESH_GROUP = "_dtensor.mesh_get_process_group.default"
+"""What a collective's group is under ``torch.distributed.config.compile_on_one_rank``: an
+op resolving a device mesh's dimension to its group at run time."""
+
+
+def group_identity(group) -> str | None:
+    """What identifies a collective's group within one graph: its name; or, for a group the
+    graph computes (``compile_on_one_rank``: ``mesh_get_process_group(mesh, dim)`` of a mesh
+    the graph takes as an input, or a process group input itself), how it is made, since two
+    collectives reading one mesh input's same dimension share a group whatever rank runs the
+    graph. None when neither says."""
+    if isinstance(group, str):
+        return group
+    if not isinstance(group, Node):
         return None
-    i = names.index("group_name")
-    group = node.args[i] if len(node.args) > i else node.kwargs.get("group_name")
+    if group.op == "placeholder":
+        return f"<input {group.name}>"
+    if group.op == "call_function" and str(group.target) == MESH_GROUP and not group.kwargs:
+        mesh, dim = (*group.args, None)[:2]
+        if isinstance(mesh, Node) and mesh.op == "placeholder" and isinstance(dim, int):
+            return f"<mesh {mesh.name} dim {dim}>"
+    return None
+
+
+def group_of(node: Node) -> str | None:
+    """The name of a collective's group: its ``group_name`` argument, or the name of the
+    process group an FX-node group resolved to when the graph was traced (None if neither)."""
+    group = arg_of(node, "group_name")
+    if isinstance(group, Node):
+        group = getattr(group.meta.get("val"), "group_name", None)
     return group if isinstance(group, str) else None
 
 
@@ -283,7 +318,7 @@ def group_setup(scan: CommScan) -> tuple[int | None, str | None]:
 
     for block in scan.blocks:
         try:
-            group = dist.distributed_c10d._resolve_process_group(block.key.group)
+            group = dist.distributed_c10d._resolve_process_group(group_of(block.collective))
             return group.size(), dist.get_backend(group)
         except Exception:  # unknown group names (hand-built graphs): nothing to model
             return None, None
@@ -292,14 +327,10 @@ def group_setup(scan: CommScan) -> tuple[int | None, str | None]:
 
 def describe(node: Node) -> str:
     """One collective as peers must match it: kind, scalar arguments, dtypes and shapes."""
-    target = op_of(node)
-    name = getattr(target, "_opname", None) or getattr(target, "__name__", str(target))
     args = [a for a in node.args[1:] if isinstance(a, (str, int, float))]
-    val = node.meta.get("val", node.meta.get("example_value"))
-    vals = val if isinstance(val, (list, tuple)) else [val]
     tensors = ", ".join(f"{str(v.dtype).removeprefix('torch.')}{list(v.shape)}"
-                        for v in vals if isinstance(v, torch.Tensor))
-    text = f"{name}({', '.join(map(str, args))}) -> {tensors}"
+                        for v in tensor_vals(node))
+    text = f"{op_name(node)}({', '.join(map(str, args))}) -> {tensors}"
     if ORIGIN in node.meta:
         return f"{text} <- {node.meta[ORIGIN]}"
     sliced = node.meta.get(SLICED)

@@ -14,15 +14,16 @@ attention, which stay kernels of their own). ``fxcoalesce calibrate`` measures t
 from __future__ import annotations
 
 import itertools
+import weakref
 from dataclasses import dataclass
 
 import torch
 from torch.fx import Node
 
 from .analysis import Analysis
-from .collectives import WAIT, is_collective, op_of, size_hint
+from .collectives import WAIT, is_collective, op_of
 from .config import CostModel
-from .meta import tensor_val
+from .meta import hinted_nbytes, hinted_numel, size_hint, tensor_val
 
 aten = torch.ops.aten
 
@@ -50,33 +51,32 @@ class Roofline:
                    kern if cost.kernel_us is None else cost.kernel_us)
 
 
-def _numel(t: torch.Tensor) -> int:
-    return int(torch.Size([size_hint(s) for s in t.shape]).numel())
-
-
 def _flops(node: Node) -> int:
     vals = [tensor_val(a) for a in node.args if isinstance(a, Node)]
     out = tensor_val(node)
     if node.target in MATMULS and out is not None:
         a = vals[-2]  # mm(a, b), addmm(bias, a, b), bmm(a, b), baddbmm(c, a, b)
-        return 2 * _numel(out) * size_hint(a.shape[-1])
+        return 2 * hinted_numel(out.shape) * size_hint(a.shape[-1])
     if node.target in ATTENTION and len(vals) >= 2:
         q, k = vals[0], vals[1]  # [B, H, S, D], [B, H, T, D]
-        return 4 * _numel(q) * size_hint(k.shape[-2])
-    return _numel(out) if out is not None else 0
+        return 4 * hinted_numel(q.shape) * size_hint(k.shape[-2])
+    return hinted_numel(out.shape) if out is not None else 0
 
 
-COST_KEY = "fxcoalesce_cost"
-"""Node meta key caching (roofline, µs): nodes are estimated once, whatever reads them."""
+_ESTIMATES: weakref.WeakKeyDictionary[Node, tuple[Roofline, float]] = (
+    weakref.WeakKeyDictionary())
+"""(roofline, µs) per node, so that each node is estimated once whatever reads it (the
+passes' deciders, the report's before and after). Kept off the graph: the pipeline's input
+graph is never written to, and an entry lives only as long as its node."""
 
 
 def node_us(node: Node, roof: Roofline) -> float:
     """Roofline time of one node (0 for views, collectives, waits and non-tensor nodes)."""
-    cached = node.meta.get(COST_KEY)
+    cached = _ESTIMATES.get(node)
     if cached is not None and cached[0] == roof:
         return cached[1]
     us = _node_us(node, roof)
-    node.meta[COST_KEY] = (roof, us)
+    _ESTIMATES[node] = (roof, us)
     return us
 
 
@@ -87,7 +87,7 @@ def _node_us(node: Node, roof: Roofline) -> float:
     if isinstance(node.target, torch._ops.OpOverload) and node.target.is_view:
         return 0.0
     ins = [tensor_val(a) for a in node.all_input_nodes]
-    nbytes = sum(_numel(t) * t.element_size() for t in [out, *ins] if t is not None)
+    nbytes = sum(hinted_nbytes(t) for t in [out, *ins] if t is not None)
     t = max(_flops(node) / (roof.peak_tflops * 1e6), nbytes / (roof.memory_gbps * 1e3))
     own_kernel = node.target in MATMULS or node.target in ATTENTION
     return t + (roof.kernel_us if own_kernel else 0.0)

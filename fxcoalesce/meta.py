@@ -8,6 +8,7 @@ import torch
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_map
 
@@ -40,8 +41,22 @@ def replaced(collectives) -> list[str]:
     return [name for n in collectives for name in n.meta.get(REPLACES, [n.name])]
 
 
+UNHINTED_SIZE = 4096
+"""Stand-in for a data-dependent size with no hint (size estimates only)."""
+
+
+def tensor_vals(node: object) -> list[torch.Tensor]:
+    """The node's fake tensor values: its ``meta["val"]`` (``example_value`` in Dynamo-level
+    graphs), the tensors of it for an op that returns several; [] when it holds none."""
+    if not isinstance(node, Node):
+        return []
+    val = node.meta.get("val", node.meta.get("example_value"))
+    vals = val if isinstance(val, (list, tuple)) else [val]
+    return [v for v in vals if isinstance(v, torch.Tensor)]
+
+
 def tensor_val(node: object) -> torch.Tensor | None:
-    """The node's fake tensor value (``example_value`` in Dynamo-level graphs), or None."""
+    """The node's fake tensor value when it is one tensor, else None."""
     if not isinstance(node, Node):
         return None
     val = node.meta.get("val", node.meta.get("example_value"))
@@ -57,6 +72,30 @@ def storage_of(node: Node) -> StorageWeakRef | None:
 def numel(shape) -> int | torch.SymInt:
     """Product of ``shape`` (ints or SymInts)."""
     return math.prod(shape, start=1)
+
+
+def same_shape(a, b) -> bool:
+    """Are shapes ``a`` and ``b`` equal for every value of their symbols? (False when unsure;
+    adds no guard.)"""
+    return len(a) == len(b) and all(statically_known_true(x == y) for x, y in zip(a, b))
+
+
+def size_hint(s: int | torch.SymInt) -> int:
+    """A concrete value for a size: itself, its hint, or ``UNHINTED_SIZE`` when data-dependent."""
+    if isinstance(s, int):
+        return s
+    hint = getattr(s.node, "hint", None)
+    return int(hint) if hint is not None else UNHINTED_SIZE
+
+
+def hinted_numel(shape) -> int:
+    """Element count of ``shape`` with size hints for symbolic sizes."""
+    return math.prod((size_hint(s) for s in shape), start=1)
+
+
+def hinted_nbytes(t: torch.Tensor) -> int:
+    """Bytes of ``t`` with size hints for symbolic sizes."""
+    return hinted_numel(t.shape) * t.element_size()
 
 
 def propagate_val(node: Node, mode: FakeTensorMode | None = None) -> None:

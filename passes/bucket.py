@@ -29,10 +29,11 @@ from fxcoalesce.analysis import Analysis, BlockInfo, analyze
 from fxcoalesce.collectives import ALL_REDUCE, WAIT
 from fxcoalesce.config import Config
 from fxcoalesce.graph_order import reorder
-from fxcoalesce.meta import (ORIGIN, REPLACES, fake_mode_of, origin, propagate_val, replaced,
+from fxcoalesce.meta import (ORIGIN, REPLACES, fake_mode_of, hinted_nbytes, origin, replaced,
                              storage_of)
 
 from .decide import Decider
+from .emit import Emitter, place
 from .result import Bucket, PassResult
 
 aten = torch.ops.aten
@@ -89,14 +90,6 @@ def quotient_is_acyclic(analysis: Analysis, plan: list[list[BlockInfo]]) -> bool
     return seen == len(indeg)
 
 
-def _emit(graph, cursor: Node, target, args, mode, new: list[Node]) -> Node:
-    with graph.inserting_after(cursor):
-        node = graph.call_function(target, args)
-    propagate_val(node, mode)
-    new.append(node)
-    return node
-
-
 def _fuse(gm: GraphModule, group: list[BlockInfo], floor: Node | None, mode,
           priority: dict[Node, float], output_storages: set) -> Node:
     graph = gm.graph
@@ -104,14 +97,7 @@ def _fuse(gm: GraphModule, group: list[BlockInfo], floor: Node | None, mode,
     # live inputs: a member may read the wait of a bucket fused just before, now replaced
     inputs = [b.collective.args[0] for b in blocks]
     anchor = max(inputs + ([floor] if floor is not None else []), key=priority.__getitem__)
-    new: list[Node] = []
-    cursor = anchor
-
-    def emit(target, *args):
-        nonlocal cursor
-        cursor = _emit(graph, cursor, target, args, mode, new)
-        return cursor
-
+    emit = Emitter(graph, after=anchor, mode=mode)
     flats = [emit(aten.reshape.default, x, [-1]) for x in inputs]
     # symbolic sizes are read off the member inputs: sym_size / sym_numel nodes
     shapes = [[s if isinstance(s, int) else emit(aten.sym_size.int, x, d)
@@ -120,7 +106,7 @@ def _fuse(gm: GraphModule, group: list[BlockInfo], floor: Node | None, mode,
               for x, b in zip(inputs, blocks)]
     cat = emit(aten.cat.default, flats)
     key = blocks[0].key
-    fused = emit(ALL_REDUCE, cat, key.op, key.group)
+    fused = emit(ALL_REDUCE, cat, key.op, blocks[0].group)
     fused.meta[REPLACES] = replaced(b.collective for b in blocks)
     fused.meta[ORIGIN] = f"cat({','.join(origin(b.collective) for b in blocks)})"
     wait = emit(WAIT, fused)
@@ -132,9 +118,7 @@ def _fuse(gm: GraphModule, group: list[BlockInfo], floor: Node | None, mode,
         b.wait.replace_all_uses_with(out)
         graph.erase_node(b.wait)
         graph.erase_node(b.collective)
-    base = priority[anchor]
-    for j, n in enumerate(new):
-        priority[n] = base + (j + 1) / (len(new) + 1)
+    place(priority, emit.new, after=priority[anchor])
     return fused
 
 
@@ -170,7 +154,7 @@ def bucket_pass(gm: GraphModule, *, cfg: Config) -> PassResult:
         issue_keys[fused] = float(min(i.block.ordinal for i in group))
         result.buckets.append(Bucket(
             members=[i.block.collective.name for i in group],
-            nbytes=sum(i.block.nbytes for i in group),
+            nbytes=hinted_nbytes(fused.meta["val"]),
             level=group[0].level, key=str(group[0].block.key), collective=fused.name))
     reorder(gm.graph, priority, set(analysis.barriers), issue_keys)
     result.changed = True

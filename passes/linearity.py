@@ -3,21 +3,26 @@
 Requires: ``cfg.reassociate`` (the partial sums are added before the reduction instead of
 after it, which changes floating-point rounding; with ``reassociate=False`` the pass leaves
 the graph alone). Ensures: in every tree of adds, subtractions and scalings whose leaves
-include two or more waits of all_reduces with one key (same group, same op, sum or avg,
-same dtype) that nothing else reads, those all_reduces become one, of the combined partial
-sums: one launch instead of several, and the bytes of one. Parallel attention + MLP blocks
-and shared + routed experts then match the engines' hand merge in launches and bytes.
+include two or more all_reduces with one key (same group, same op, sum or avg, same dtype)
+read with one shape, each through its wait directly or through layout-only ops after it
+(``passes.layout``: view, reshape, unsqueeze, a copy back, ...) that nothing else reads,
+those all_reduces become one, of the combined partial sums, each partial put through its
+own wait's layout ops: one launch instead of several, and the bytes of one. Parallel
+attention + MLP blocks and shared + routed experts then match the engines' hand merge in
+launches and bytes.
 
     before                                    after
-    %wa = wait(all_reduce(%p, sum, 0))        %s  = add(%p, %q)
+    %wa = wait(all_reduce(%p, sum, 0))        %pv = reshape(%p, [1, 6, 64])
+    %va = view(%wa, [1, 6, 64])               %s  = add(%pv, %q)
     %wb = wait(all_reduce(%q, sum, 0))        %w  = wait(all_reduce(%s, sum, 0))
-    %h  = add(%x, %wa)                        %o  = add(%x, %w)
+    %h  = add(%x, %va)                        %o  = add(%x, %w)
     %o  = add(%h, %wb)
 
-Never fires when a wait has another consumer, when dtypes, groups or ops differ, for ops
-other than sum and avg (both linear), or through a scaling by anything but a Python number
-(a tensor factor might differ between ranks). The new all_reduce takes the issue place of
-the first one it replaces (rank-invariant, see ``graph_order``).
+Never fires when a wait or one of its layout ops has another consumer, when dtypes, groups,
+ops or the shapes read differ (broadcasting could make the sum larger than any member), for
+ops other than sum and avg (both linear), or through a scaling by anything but a Python
+number (a tensor factor might differ between ranks). The new all_reduce takes the issue
+place of the first one it replaces (rank-invariant, see ``graph_order``).
 """
 
 from __future__ import annotations
@@ -31,10 +36,13 @@ from fxcoalesce.analysis import analyze
 from fxcoalesce.collectives import ALL_REDUCE, WAIT, CommBlock
 from fxcoalesce.config import Config
 from fxcoalesce.graph_order import reorder
-from fxcoalesce.meta import (ORIGIN, REPLACES, fake_mode_of, origin, propagate_val, replaced,
+from fxcoalesce.meta import (ORIGIN, REPLACES, fake_mode_of, hinted_nbytes, origin, replaced,
+                             same_shape,
                              tensor_val)
 
 from .decide import Decider
+from .emit import Emitter, place
+from .layout import LayoutChain, layout_chain, replay
 from .result import Bucket, PassResult
 
 aten = torch.ops.aten
@@ -106,47 +114,54 @@ def _is_root(node: Node) -> bool:
     return _children(user) is None or _dtype(user) != _dtype(node)
 
 
-def _reducible(block: CommBlock, tree_dtype) -> bool:
+Member = tuple[CommBlock, LayoutChain]
+"""An all_reduce a tree reads, and the layout-only ops between its wait and the tree."""
+
+
+def _reducible(block: CommBlock, chain: LayoutChain, tree_dtype) -> bool:
     return (block.impl == "nccl" and block.key.op in LINEAR_REDUCTIONS and not block.inplace
-            and block.copy_back is None and len(block.wait.users) == 1
-            and block.key.dtype == tree_dtype)
+            and len(chain.end.users) == 1 and block.key.dtype == tree_dtype)
 
 
-class _Emitter:
-    """Appends nodes before ``anchor`` with fake values; remembers them for priorities."""
-
-    def __init__(self, graph, anchor: Node, mode):
-        self.graph, self.anchor, self.mode, self.new = graph, anchor, mode, []
-
-    def __call__(self, target, *args) -> Node:
-        with self.graph.inserting_before(self.anchor):
-            node = self.graph.call_function(target, args)
-        propagate_val(node, self.mode)
-        self.new.append(node)
-        return node
-
-    def combination(self, terms: list[tuple[Node, float]]) -> Node:
-        """sum of coeff * node, with as few ops as the coefficients allow."""
-        total = None
-        for node, c in terms:
-            if total is None:
-                total = node if c == 1 else self(aten.mul.Tensor, node, c)
-            elif c == 1:
-                total = self(aten.add.Tensor, total, node)
-            elif c == -1:
-                total = self(aten.sub.Tensor, total, node)
-            else:
-                total = self(aten.add.Tensor, total, self(aten.mul.Tensor, node, c))
-        return total
+def _groups(members: list[Member]) -> list[list[Member]]:
+    """Members that may become one all_reduce: one key, and values of one shape, so that
+    their partials line up element for element on every rank (no broadcasting, which could
+    also make the sum larger than any member)."""
+    groups: list[list[Member]] = []
+    for m in members:
+        shape = tensor_val(m[1].end).shape
+        for g in groups:
+            if g[0][0].key == m[0].key and same_shape(tensor_val(g[0][1].end).shape, shape):
+                g.append(m)
+                break
+        else:
+            groups.append([m])
+    return groups
 
 
-def _chosen(decider: Decider, info_of: dict, blocks: list[CommBlock], result: PassResult
-            ) -> list[CommBlock]:
-    """The blocks of one key in one tree that the cost model merges (one sum's bytes)."""
-    members, record = decider.choose([info_of[b] for b in blocks],
-                                     lambda sub: max(m.block.nbytes for m in sub))
+def combination(emit: Emitter, terms: list[tuple[Node, float]]) -> Node:
+    """sum of coeff * node, with as few ops as the coefficients allow."""
+    total = None
+    for node, c in terms:
+        if total is None:
+            total = node if c == 1 else emit(aten.mul.Tensor, node, c)
+        elif c == 1:
+            total = emit(aten.add.Tensor, total, node)
+        elif c == -1:
+            total = emit(aten.sub.Tensor, total, node)
+        else:
+            total = emit(aten.add.Tensor, total, emit(aten.mul.Tensor, node, c))
+    return total
+
+
+def _chosen(decider: Decider, info_of: dict, group: list[Member], result: PassResult
+            ) -> list[Member]:
+    """The members of one group that the cost model merges (one member's bytes)."""
+    chosen, record = decider.choose([info_of[b] for b, _ in group],
+                                    lambda sub: max(m.block.nbytes for m in sub))
     result.decisions.append(record)
-    return [m.block for m in members]
+    blocks = {m.block for m in chosen}
+    return [m for m in group if m[0] in blocks]
 
 
 def linearity_pass(gm: GraphModule, *, cfg: Config) -> PassResult:
@@ -154,7 +169,11 @@ def linearity_pass(gm: GraphModule, *, cfg: Config) -> PassResult:
     if not cfg.reassociate:
         return result
     analysis = analyze(gm)
-    by_wait = {b.wait: b for b in analysis.scan.blocks}
+    # each all_reduce as the node a tree of adds would read it through: its wait's chain
+    members = {}
+    for b in analysis.scan.blocks:
+        chain = layout_chain(b.wait, analysis.order)
+        members[chain.end] = (b, chain)
     info_of = {i.block: i for i in analysis.infos}
     decider = Decider.of(analysis, cfg)
     graph = gm.graph
@@ -163,52 +182,48 @@ def linearity_pass(gm: GraphModule, *, cfg: Config) -> PassResult:
     issue_keys = {n: float(i) for i, n in enumerate(analysis.scan.sequence)}
     for root in [n for n in graph.nodes if _is_root(n)]:
         internal, leaves = expand(root)
-        groups: dict = {}
-        for leaf, coeff in leaves.items():
-            block = by_wait.get(leaf)
-            if block is not None and coeff != 0 and _reducible(block, _dtype(root)):
-                groups.setdefault(block.key, []).append(block)
-        groups = {k: _chosen(decider, info_of, v, result) for k, v in groups.items()
-                  if len(v) > 1}
-        groups = {k: v for k, v in groups.items() if len(v) > 1}
+        found = [members[leaf] for leaf, coeff in leaves.items() if leaf in members
+                 and coeff != 0 and _reducible(*members[leaf], _dtype(root))]
+        groups = [_chosen(decider, info_of, g, result) for g in _groups(found) if len(g) > 1]
+        groups = [g for g in groups if len(g) > 1]
         if not groups:
             continue
-        emit = _Emitter(graph, root, mode)
+        emit = Emitter(graph, before=root, mode=mode)
         reduced = []
-        for key, blocks in groups.items():
+        for group in groups:
             start = len(emit.new)
-            partial = emit.combination([(b.input, leaves[b.wait]) for b in blocks])
-            fused = emit(ALL_REDUCE, partial, key.op, key.group)
+            # each partial through its own layout ops: they line up as the waits' values do
+            partial = combination(emit, [(replay(emit, b.input, chain), leaves[chain.end])
+                                         for b, chain in group])
+            blocks = [b for b, _ in group]
+            key = blocks[0].key
+            fused = emit(ALL_REDUCE, partial, key.op, blocks[0].group)
             fused.meta[REPLACES] = replaced(b.collective for b in blocks)
             # the coefficients too: a scale one rank alone applies must not be summed across
             fused.meta[ORIGIN] = "sum({})".format(",".join(
-                origin(b.collective) if leaves[b.wait] == 1 else
-                f"{leaves[b.wait]!r}*{origin(b.collective)}" for b in blocks))
+                origin(b.collective) if leaves[chain.end] == 1 else
+                f"{leaves[chain.end]!r}*{origin(b.collective)}" for b, chain in group))
             # issued as soon as its last partial is ready; waited for where the root was
-            last = max(priority[b.input] for b in blocks)
-            issue = emit.new[start:]
-            for j, n in enumerate(issue):
-                priority[n] = last + (j + 1) / (len(issue) + 1)
+            place(priority, emit.new[start:], after=max(priority[b.input] for b in blocks))
             reduced.append(emit(WAIT, fused))
             issue_keys[fused] = float(min(b.ordinal for b in blocks))
             result.buckets.append(Bucket(
                 members=[b.collective.name for b in blocks],
                 level=max(info_of[b].level for b in blocks),
-                key=str(key), nbytes=sum(b.nbytes for b in blocks), collective=fused.name,
+                key=str(key), nbytes=hinted_nbytes(fused.meta["val"]),
+                collective=fused.name,
                 kind="sum"))
-        merged = {b.wait for blocks in groups.values() for b in blocks}
+        merged = {chain.end for group in groups for _, chain in group}
         rest = [(leaf, c) for leaf, c in leaves.items() if leaf not in merged and c != 0]
-        value = emit.combination(rest + [(w, 1) for w in reduced])
-        tail = [n for n in emit.new if n not in priority]
-        for j, n in enumerate(tail):
-            priority[n] = priority[root] - 1 + (j + 1) / (len(tail) + 1)
+        value = combination(emit, rest + [(w, 1) for w in reduced])
+        place(priority, [n for n in emit.new if n not in priority], after=priority[root] - 1)
         root.replace_all_uses_with(value)
         for n in internal:  # root first: each is erased after its only user
             graph.erase_node(n)
-        for blocks in groups.values():
-            for b in blocks:
-                graph.erase_node(b.wait)
-                graph.erase_node(b.collective)
+        for group in groups:
+            for b, chain in group:
+                for n in (*reversed(chain.ops), b.wait, b.collective):
+                    graph.erase_node(n)
     if result.buckets:
         reorder(graph, priority, set(analysis.barriers), issue_keys)
         result.changed = True

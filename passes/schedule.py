@@ -19,6 +19,7 @@ from fxcoalesce.analysis import analyze
 from fxcoalesce.config import Config
 from fxcoalesce.graph_order import reorder
 
+from .emit import place
 from .result import PassResult
 
 
@@ -29,7 +30,7 @@ def schedule_pass(gm: GraphModule, *, cfg: Config) -> PassResult:
     before = list(gm.graph.nodes)
     priority = {n: float(i) for n, i in analysis.order.items()}
     for info in analysis.infos:
-        priority[info.block.collective] = info.ready + 0.5
-        priority[info.block.wait] = info.need - 0.5
+        place(priority, [info.block.collective], after=info.ready)
+        place(priority, [info.block.wait], after=info.need - 1)
     reorder(gm.graph, priority, set(analysis.barriers))
     return PassResult(changed=list(gm.graph.nodes) != before)

@@ -2,13 +2,15 @@
 
 Requires: nothing (exact for every reduce op: reduction is elementwise across ranks).
 Ensures: an all_reduce whose wait has a single user that slices it with integer arguments
-(``slice``, ``select``; ``narrow`` and basic indexing lower to these) reduces the sliced part
-of its input instead: the bytes drop by the slice ratio. Last-token logits after a reduction
-are the typical case.
+(``slice``, ``select``; ``narrow`` and basic indexing lower to these), directly or through
+layout-only ops that nothing else reads (``passes.layout``: view, reshape, ...), reduces the
+sliced part of its input instead, put through the same layout ops: the bytes drop by the
+slice ratio. Last-token logits after a reduction are the typical case.
 
     before                                    after
-    %w = wait(all_reduce(%x, sum, 0))         %xs = select(%x, 1, -1)
-    %y = select(%w, 1, -1)                    %y  = wait(all_reduce(clone(%xs), sum, 0))
+    %w = wait(all_reduce(%x, sum, 0))         %xs = select(reshape(%x, [1, 6, 64]), 1, -1)
+    %v = view(%w, [1, 6, 64])                 %y  = wait(all_reduce(clone(%xs), sum, 0))
+    %y = select(%v, 1, -1)
 
 A slice whose arguments differ between ranks (``AR(x).chunk(world)[rank]``) would make this
 wrong, and one rank's graph cannot tell. So the new collective records its slice, which
@@ -23,10 +25,12 @@ import torch
 from torch.fx import GraphModule, Node
 
 from fxcoalesce.analysis import analyze
-from fxcoalesce.collectives import ALL_REDUCE, WAIT
+from fxcoalesce.collectives import ALL_REDUCE, WAIT, op_name
 from fxcoalesce.config import Config
-from fxcoalesce.meta import ORIGIN, REPLACES, SLICED, fake_mode_of, origin, propagate_val, replaced
+from fxcoalesce.meta import ORIGIN, REPLACES, SLICED, fake_mode_of, hinted_nbytes, origin, replaced
 
+from .emit import Emitter
+from .layout import layout_chain, replay
 from .result import Bucket, PassResult
 
 aten = torch.ops.aten
@@ -44,29 +48,26 @@ def slice_pass(gm: GraphModule, *, cfg: Config) -> PassResult:
     graph = gm.graph
     mode = fake_mode_of(analysis.order)
     for block in analysis.scan.blocks:
-        users = list(block.wait.users)
-        if (block.impl != "nccl" or block.inplace or block.copy_back is not None
-                or len(users) != 1):
+        chain = layout_chain(block.wait, analysis.order)
+        users = list(chain.end.users)
+        if block.impl != "nccl" or block.inplace or len(users) != 1:
             continue
         (use,) = users
-        if not _int_slice(use) or use.args[0] is not block.wait:
+        if not _int_slice(use) or use.args[0] is not chain.end:
             continue
-        with graph.inserting_before(block.collective):
-            part = graph.call_function(use.target, (block.input, *use.args[1:]))
-            dense = graph.call_function(aten.clone.default, (part,),
-                                        {"memory_format": torch.contiguous_format})
-            fused = graph.call_function(ALL_REDUCE, (dense, block.key.op, block.key.group))
-            wait = graph.call_function(WAIT, (fused,))
-        for n in (part, dense, fused, wait):
-            propagate_val(n, mode)
+        emit = Emitter(graph, before=block.collective, mode=mode)
+        part = emit(use.target, replay(emit, block.input, chain), *use.args[1:])
+        dense = emit(aten.clone.default, part, memory_format=torch.contiguous_format)
+        fused = emit(ALL_REDUCE, dense, block.key.op, block.group)
+        wait = emit(WAIT, fused)
         fused.meta[REPLACES] = replaced([block.collective])
-        fused.meta[SLICED] = f"{use.target._opname}{tuple(use.args[1:])}"
+        fused.meta[SLICED] = f"{op_name(use)}{tuple(use.args[1:])}"
         fused.meta[ORIGIN] = f"{fused.meta[SLICED]}({origin(block.collective)})"
         use.replace_all_uses_with(wait)
-        for n in (use, block.wait, block.collective):
+        for n in (use, *reversed(chain.ops), block.wait, block.collective):
             graph.erase_node(n)
-        nbytes = part.meta["val"].numel() * part.meta["val"].element_size()
-        result.buckets.append(Bucket(members=[block.collective.name], nbytes=nbytes,
+        result.buckets.append(Bucket(members=[block.collective.name],
+                                     nbytes=hinted_nbytes(fused.meta["val"]),
                                      level=0, key=str(block.key), collective=fused.name,
                                      kind="slice"))
         # the slice is a local guess about rank-invariance: the backend agrees on it

@@ -18,6 +18,7 @@ from torch.fx import Graph, GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import (
     DimDynamic, ShapeEnv, StatelessSymbolicContext,
 )
+from torch.utils._pytree import tree_map
 
 from fxcoalesce.collectives import ALL_REDUCE, ALL_REDUCE_, WAIT
 from fxcoalesce.meta import propagate_val
@@ -72,6 +73,16 @@ class GraphBuilder:
         return GraphModule(torch.nn.Module(), self.graph)
 
 
+def diamond() -> GraphModule:
+    """x -> AR1 -> {AR2, AR3} -> add -> AR4: 4 launches, bound 3 (AR2 and AR3 share level 2)."""
+    b = GraphBuilder()
+    x, w = b.input("x"), b.input("w")
+    w1 = b.all_reduce(b.mm(x, w))
+    w2 = b.all_reduce(b.mm(w1, w))
+    w3 = b.all_reduce(b.add(w1, x))
+    return b.build(b.all_reduce(b.add(w2, w3)))
+
+
 def calls(gm: GraphModule, target) -> list[Node]:
     return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is target]
 
@@ -89,6 +100,25 @@ def ops(gm: GraphModule) -> list[str]:
 def position(gm: GraphModule) -> dict[str, int]:
     """Node name -> index in node order."""
     return {n.name: i for i, n in enumerate(gm.graph.nodes)}
+
+
+def stale_vals(gm: GraphModule) -> list[str]:
+    """Nodes whose ``meta["val"]`` differs (shape, dtype, strides) from what their op gives on
+    their inputs' values: a rewrite must leave none."""
+    mode = next(n.meta["val"].fake_mode for n in gm.graph.find_nodes(op="placeholder"))
+    stale = []
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or not isinstance(n.meta.get("val"), torch.Tensor):
+            continue
+        args, kwargs = tree_map(lambda a: a.meta["val"] if isinstance(a, Node) else a,
+                                (n.args, n.kwargs))
+        with mode:
+            want = n.target(*args, **kwargs)
+        got = n.meta["val"]
+        if (str(want.shape), want.dtype, str(want.stride())) != (
+                str(got.shape), got.dtype, str(got.stride())):
+            stale.append(n.name)
+    return stale
 
 
 def substitute_collectives(gm: GraphModule) -> GraphModule:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import networkx as nx
 import torch
-from graphs import GraphBuilder, all_reduces, real_inputs, run
+from graphs import GraphBuilder, all_reduces, diamond, real_inputs, run
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.fx import Graph, GraphModule
@@ -36,15 +36,6 @@ def chain(n: int) -> GraphModule:
         h = b.add(h, b.all_reduce(b.mm(h, w)))
     return b.build(h)
 
-
-def diamond() -> GraphModule:
-    """x -> AR1 -> {AR2, AR3} -> add -> AR4."""
-    b = GraphBuilder()
-    x, w = b.input("x"), b.input("w")
-    w1 = b.all_reduce(b.mm(x, w))
-    w2 = b.all_reduce(b.mm(w1, w))
-    w3 = b.all_reduce(b.add(w1, x))
-    return b.build(b.all_reduce(b.add(w2, w3)))
 
 
 def test_chain_levels_and_bound():

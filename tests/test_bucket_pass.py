@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from graphs import GraphBuilder, all_reduces, calls, ops, position, real_inputs, run
+from graphs import GraphBuilder, all_reduces, calls, diamond, ops, position, real_inputs, run
 from torch.fx import GraphModule
 
 from fxcoalesce import Config, analyze, run_pipeline
@@ -39,15 +39,6 @@ def independent_pair() -> GraphModule:
     wc = b.all_reduce(b.add(y, y))
     return b.build(b.add(wa, x), b.add(wc, y))
 
-
-def diamond() -> GraphModule:
-    """x -> AR1 -> {AR2, AR3} -> add -> AR4."""
-    b = GraphBuilder()
-    x, w = b.input("x"), b.input("w")
-    w1 = b.all_reduce(b.mm(x, w))
-    w2 = b.all_reduce(b.mm(w1, w))
-    w3 = b.all_reduce(b.add(w1, x))
-    return b.build(b.all_reduce(b.add(w2, w3)))
 
 
 def test_diamond_reaches_three_launches():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from torch.testing import FileCheck
 
 from fxcoalesce.apps import cli
 from fxcoalesce.viz.draw import has_matplotlib
@@ -72,7 +73,8 @@ def test_png_and_timeline_are_written(capsys, tmp_path):
     for name in ("collectives.png", "timeline.png"):
         assert (tmp_path / name).read_bytes()[:8] == PNG, name
     # each of the four buckets of neox-tiny (attention + MLP of a layer) is named in after.txt
-    assert (tmp_path / "after.txt").read_text().count("# fxcoalesce: replaces") == 4
+    FileCheck().check_count("# fxcoalesce: replaces", 4, exactly=True).run(
+        (tmp_path / "after.txt").read_text())
     assert "before, predicted: step" in out and "after, predicted: step" in out
 
 

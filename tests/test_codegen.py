@@ -51,9 +51,12 @@ def test_separate_collectives_keep_at_least_plain_overlap(steps, name):
     plain = all_reduce_windows(compiled_code(fn, args, "inductor"))
     ours = all_reduce_windows(compiled_code(
         fn, args, fxcoalesce.backend(fxcoalesce.Config(passes=("schedule",)))))
-    # same launches; every collective hides at least as many kernels as under plain Inductor
-    assert len(ours) == len(plain)
-    assert all(o.kernels >= p.kernels for o, p in zip(ours, plain))
+    # same launches (neox-tiny 1 + 2 x 4, kimi-k2-tiny 12: nothing merges without the bucket
+    # and linearity passes); plain Inductor hides kernels under some of them, and every
+    # collective hides at least as many as under plain Inductor
+    assert len(ours) == len(plain) == {"neox-tiny": 9, "kimi-k2-tiny": 12}[name]
+    assert sum(p.kernels for p in plain) > 0
+    assert all(o.kernels >= p.kernels for o, p in zip(ours, plain, strict=True))
 
 
 def test_generated_code_issues_collectives_in_the_passes_order(steps):

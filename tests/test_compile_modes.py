@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+from torch.testing import FileCheck
 
 import fxcoalesce
 from fxcoalesce import Config
@@ -61,7 +62,8 @@ def test_options_reach_inductor():
         fn = torch.compile(two_independent, backend=fxcoalesce.backend(
             Config(), options={"cpp.simdlen": simdlen}), fullgraph=True)
         _, (codes[simdlen],) = run_and_get_code(fn, x, w)
-    assert "Vectorized" in codes[None] and "Vectorized" not in codes[1]
+    FileCheck().check("Vectorized").run(codes[None])      # SIMD kernels by default
+    FileCheck().check_not("Vectorized").run(codes[1])     # none with simdlen=1
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -11,7 +11,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from graphs import GraphBuilder
+from graphs import diamond
+from torch.testing import FileCheck
 
 import fxcoalesce.pipeline as pipeline
 from fxcoalesce import Config, run_pipeline
@@ -20,15 +21,6 @@ from fxcoalesce.pipeline import graph_text
 ARTIFACTS = ("fxcoalesce_before", "fxcoalesce_after", "fxcoalesce_report",
              "fxcoalesce_collectives")
 
-
-def diamond():
-    """x -> AR0 -> {AR1, AR2} -> add -> AR3."""
-    b = GraphBuilder()
-    x, w = b.input("x"), b.input("w")
-    w1 = b.all_reduce(b.mm(x, w))
-    w2 = b.all_reduce(b.mm(w1, w))
-    w3 = b.all_reduce(b.add(w1, x))
-    return b.build(b.all_reduce(b.add(w2, w3)))
 
 
 def test_after_text_names_what_each_new_collective_replaces():
@@ -94,7 +86,9 @@ def test_fxcoalesce_dump_writes_every_graph(compiled_with_env):
                                                            "report.json"]
     report = json.loads((graphs[0] / "report.json").read_text())
     assert (report["all_reduce"]["before"], report["all_reduce"]["after"]) == (2, 1)
-    assert (graphs[0] / "after.txt").read_text().count("# fxcoalesce: replaces") == 1
+    # the one new all_reduce, named as what it replaces, right above it
+    FileCheck().check_count("# fxcoalesce: replaces", 1, exactly=True).check_next(
+        "all_reduce").run((graphs[0] / "after.txt").read_text())
 
 
 def test_torch_trace_holds_the_artifacts(compiled_with_env):

@@ -6,6 +6,7 @@ Counts come from the report and, independently, from Inductor's generated code.
 import pytest
 import torch
 from torch._inductor.utils import run_and_get_code
+from torch.testing import FileCheck
 
 import fxcoalesce
 from fxcoalesce.apps.launch import init_fake_group
@@ -76,8 +77,11 @@ def test_inductor_codegen_counts_and_values():
             fxcoalesce.Config(strict=True)), fullgraph=True)
         out, codes = run_and_get_code(compiled, tokens)
     code = "\n".join(codes)
-    # Inductor turns each functional all_reduce into one in-place call on its buffer
-    assert code.count("torch.ops._c10d_functional.all_reduce_.default(") == 1 + L
+    # Inductor turns each functional all_reduce into one in-place call on its buffer: one per
+    # layer + the embedding's, and no functional one left
+    FileCheck().check_count("torch.ops._c10d_functional.all_reduce_.default(", 1 + L,
+                            exactly=True).run(code)
+    FileCheck().check_not("torch.ops._c10d_functional.all_reduce.default(").run(code)
     assert fxcoalesce.reports()[-1].all_reduce["after"] == 1 + L
     torch.testing.assert_close(out, eager)
 

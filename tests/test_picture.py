@@ -7,7 +7,7 @@ import re
 import shutil
 
 import pytest
-from graphs import GraphBuilder
+from graphs import GraphBuilder, diamond
 
 from fxcoalesce import Config, run_pipeline
 from fxcoalesce.viz.draw import has_matplotlib, render_picture
@@ -19,15 +19,6 @@ needs_matplotlib = pytest.mark.skipif(not has_matplotlib(), reason="matplotlib n
 
 AR0, AR1, AR2, AR3 = "all_reduce_default", *(f"all_reduce_default_{i}" for i in (1, 2, 3))
 
-
-def diamond():
-    """x -> AR0 -> {AR1, AR2} -> add -> AR3."""
-    b = GraphBuilder()
-    x, w = b.input("x"), b.input("w")
-    w1 = b.all_reduce(b.mm(x, w))
-    w2 = b.all_reduce(b.mm(w1, w))
-    w3 = b.all_reduce(b.add(w1, x))
-    return b.build(b.all_reduce(b.add(w2, w3)))
 
 
 def bucketed():

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from torch.fx import GraphModule, Node
 
 from fxcoalesce.analysis import analyze
-from fxcoalesce.collectives import (OTHER_COLLECTIVES, find_comm_blocks, is_all_reduce, op_of,
-                                    size_hint)
-from fxcoalesce.meta import REPLACES
+from fxcoalesce.collectives import (OTHER_COLLECTIVES, find_comm_blocks, is_all_reduce, op_name,
+                                    op_of)
+from fxcoalesce.meta import REPLACES, hinted_nbytes, tensor_vals
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,9 +53,6 @@ class CollectiveDag:
     edges: list[tuple[str, str]]
     """(a, b): b depends on a, with no collective in between."""
 
-    def count(self, kind: str = "all_reduce") -> int:
-        return sum(n.kind == kind for n in self.nodes)
-
 
 def module_path(node: Node) -> str:
     """The innermost ``nn_module_stack`` entry as a dotted path below the compiled root
@@ -83,21 +80,7 @@ def layer_of(module: str) -> str:
 def _kind(node: Node) -> str:
     if is_all_reduce(node):
         return "all_reduce"
-    target = op_of(node)
-    return OTHER_COLLECTIVES.get(target) or getattr(target, "_opname", None) or str(target)
-
-
-def _nbytes(node: Node) -> int:
-    val = node.meta.get("val", node.meta.get("example_value"))
-    vals = val if isinstance(val, (list, tuple)) else [val]
-    total = 0
-    for v in vals:
-        if hasattr(v, "shape") and hasattr(v, "element_size"):
-            numel = 1
-            for s in v.shape:
-                numel *= size_hint(s)
-            total += numel * v.element_size()
-    return total
+    return OTHER_COLLECTIVES.get(op_of(node)) or op_name(node)
 
 
 def _bits(mask: int):
@@ -156,7 +139,8 @@ def find_collective_dag(gm: GraphModule, *, origins: CollectiveDag | None = None
             olds = [known[r] for r in replaces if r in known]
             module = _common_prefix([o.module for o in olds])
             layer = olds[0].layer if olds else ""
-        nodes.append(CollectiveNode(name=c.name, kind=_kind(c), nbytes=_nbytes(c),
+        nbytes = sum(map(hinted_nbytes, tensor_vals(c)))
+        nodes.append(CollectiveNode(name=c.name, kind=_kind(c), nbytes=nbytes,
                                     level=levels.get(c.name), depth=depth[i], module=module,
                                     layer=layer, replaces=replaces))
     return CollectiveDag(nodes, edges)

@@ -1,0 +1,138 @@
+"""Tier 4: Hugging Face models sharded by transformers itself, on 2 real gloo ranks.
+
+Each tiny config (2 layers, hidden 64) is saved with ``save_pretrained`` here and loaded in
+each rank with ``from_pretrained(path, tp_plan="auto")``: the model's own TP plan. Under
+``no_grad`` its row-parallel layers end in ``dist.all_reduce`` (an all_reduce and a wait in
+the ATen graph); with grad enabled they go through DTensor, whose ``to_local`` leaves a
+``view`` after every wait, and the routed experts' in-place all_reduce comes back as
+``copy(buf, wait)``: the layout-only ops ``passes.layout`` sees through. One spawn compiles
+every case with fxcoalesce (``codegen="eager"``: the rewritten ATen graph run as Python,
+which keeps this file within a minute; the Inductor codegen runs in the slow test) and
+compares the logits with plain ``torch.compile``'s (``no_grad``) or the eager forward's.
+
+    model (2 layers)   all_reduces          bytes (6 tokens)
+    Llama              5 -> 5 (its bound)   7680 -> 7680    embedding + 2 chained per layer
+    Cohere             5 -> 3               7680 -> 4608    attention + MLP summed per layer
+    DeepSeek-V3        4 -> 3               6144 -> 4608    routed.view(shape) + shared summed
+
+The same with grad enabled (Cohere, DeepSeek-V3). DeepSeek-V3's plan shards neither MLA
+attention nor the gate: embedding, the dense layer's MLP, and the MoE layer's routed and
+shared experts. Before ``passes.layout`` the two MoE all_reduces were bucketed (4 -> 3
+launches, the same 6144 bytes), and so were Cohere's wherever a view or copy followed the
+wait (grad enabled; ``codegen="eager"``, whose graphs keep the copy).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from fxcoalesce.apps.launch import spawn
+
+transformers = pytest.importorskip("transformers")
+TOKENS = 6
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+
+
+def configs() -> dict:
+    T = transformers
+    return {
+        "llama": T.LlamaConfig(**SMALL),
+        "cohere": T.CohereConfig(**SMALL),
+        "deepseek_v3": T.DeepseekV3Config(
+            **{**SMALL, "num_key_value_heads": 4}, moe_intermediate_size=32,
+            first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2,
+            n_shared_experts=1, n_group=1, topk_group=1, q_lora_rank=None, kv_lora_rank=16,
+            qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16),
+    }
+
+
+def _logits(model):
+    return lambda ids: model(input_ids=ids, use_cache=False).logits
+
+
+def _compiled(model, ids, backend, grad: bool):
+    """Logits of ``model`` compiled behind a fresh dynamo cache (one lambda's code object
+    serves every model here: without the reset a later compile could reuse an earlier's)."""
+    torch._dynamo.reset()
+    with torch.set_grad_enabled(grad):
+        return torch.compile(_logits(model), backend=backend, fullgraph=True)(ids).detach()
+
+
+def _worker(rank, world, root, cases, codegen):
+    import fxcoalesce
+
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore", FutureWarning)  # tp_plan= directly (transformers 5)
+    out = {}
+    ids = (torch.arange(TOKENS) % SMALL["vocab_size"]).reshape(1, TOKENS)
+    for name, grad in cases:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            f"{root}/{name}", tp_plan="auto").eval()  # float32, as saved
+        reports = []
+        be = fxcoalesce.backend(fxcoalesce.Config(codegen=codegen, strict=True),
+                                on_graph=lambda b, a, r: reports.append(r))
+        ours = _compiled(model, ids, be, grad)
+        if grad:
+            with torch.no_grad():
+                want = _logits(model)(ids)
+        else:
+            want = _compiled(model, ids, "inductor", grad)
+        (report,) = reports
+        out[name, grad] = {"all_reduce": report.all_reduce,
+                           "kinds": sorted(b["kind"] for b in report.buckets),
+                           "max_abs_err": float((ours - want).abs().max()),
+                           "close": torch.allclose(ours, want, rtol=1e-5, atol=1e-5)}
+    return out
+
+
+def run_models(tmp_path, cases, codegen):
+    for name in dict(cases):
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(configs()[name])
+        model.save_pretrained(tmp_path / name)
+    # transformers derives the TP degree from WORLD_SIZE, as torchrun sets it
+    results = spawn(_worker, 2, args=(str(tmp_path), cases, codegen), backend="gloo",
+                    env={"WORLD_SIZE": "2"}, timeout=600)
+    assert results[0].keys() == results[1].keys()
+    return results
+
+
+EXPECTED = {  # (before, after, lower bound, bytes before, bytes after, buckets)
+    "llama": (5, 5, 5, 7680, 7680, []),
+    "cohere": (5, 3, 3, 7680, 4608, ["sum", "sum"]),
+    "deepseek_v3": (4, 3, 3, 6144, 4608, ["sum"]),
+}
+
+
+CASES = [(name, False) for name in EXPECTED] + [("cohere", True), ("deepseek_v3", True)]
+
+
+def check(results, case):
+    name, _ = case
+    for rank, r in enumerate(results):
+        got = r[case]
+        a = got["all_reduce"]
+        assert (a["before"], a["after"], a["lower_bound"], a["bytes_before"], a["bytes_after"],
+                got["kinds"]) == EXPECTED[name], f"rank {rank}"
+        assert got["close"], f"rank {rank}: logits differ by {got['max_abs_err']}"
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return run_models(tmp_path_factory.mktemp("hf"), CASES, "eager")
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{n}{'-grad' if g else ''}" for n, g in CASES])
+def test_tp_plan_auto_counts_bytes_and_logits(results, case):
+    check(results, case)
+
+
+@pytest.mark.slow
+def test_tp_plan_auto_with_inductor_codegen(tmp_path):
+    results = run_models(tmp_path, CASES, "inductor")
+    for case in CASES:
+        check(results, case)
