@@ -341,7 +341,8 @@ def run_calibrate(args) -> dict:
     # failed capture broke the run (torch 2.11: "Offset increment outside graph capture")
     cudagraphs = not args.no_cudagraphs and backend == "nccl"
     # the other implementations need CUDA ranks of an NCCL group (symmetric memory)
-    impls = tuple(getattr(args, "impls", None) or IMPLS) if (
+    chosen = getattr(args, "impls", None)  # None: all; () with --impls nccl
+    impls = (IMPLS if chosen is None else tuple(chosen)) if (
         backend == "nccl" and args.device == "cuda") else ()
     results = spawn(calibrate_worker, args.tp,
                     (byte_sizes, args.device, cudagraphs, args.budget, impls),

@@ -116,7 +116,7 @@ def agree(error: str | None, dev: torch.device) -> str | None:
     return f"rank {rank}: {why}"
 
 
-def _enable(group_name: str) -> None:
+def enable_symm_mem(group_name: str) -> None:
     """``enable_symm_mem_for_group`` (what Inductor checks in 2.11-2.13; deprecated, with a
     FutureWarning, in 2.13)."""
     from torch.distributed import _symmetric_memory as symm
@@ -139,7 +139,7 @@ def _own_symm_check(group_name: str, dev: torch.device) -> tuple[bool, str]:
         return (rank + 1) * 1000.0 + torch.arange(n, dtype=torch.float32, device=dev)
 
     def allocate():
-        _enable(group_name)
+        enable_symm_mem(group_name)
         state["buf"] = symm.empty(n, dtype=torch.float32, device=dev)
 
     def rendezvous():  # collective: only once every rank allocated
@@ -167,8 +167,14 @@ def _own_symm_check(group_name: str, dev: torch.device) -> tuple[bool, str]:
     return True, "ok"
 
 
+_STATUS: dict[str, dict] = {}
+
+
 def symm_mem_status(group_name: str, dev: torch.device) -> dict:
-    """The profile's ``symm_mem`` section: usable or not, why, and what checked (collective)."""
+    """The profile's ``symm_mem`` section: usable or not, why, and what checked (collective
+    on its first call for a group, then cached)."""
+    if group_name in _STATUS:
+        return _STATUS[group_name]
     try:
         from fxcoalesce.kernels.symm import symm_mem_ready
 
@@ -177,8 +183,9 @@ def symm_mem_status(group_name: str, dev: torch.device) -> dict:
     except ImportError:
         by = "calibrate's own check (fxcoalesce.kernels does not import)"
         ok, why = _own_symm_check(group_name, dev)
-    return {"usable": bool(ok), "why": why, "checked_by": by,
-            "multicast": f"off ({MULTICAST_ENV}={os.environ.get(MULTICAST_ENV)})"}
+    _STATUS[group_name] = {"usable": bool(ok), "why": why, "checked_by": by,
+                           "multicast": f"off ({MULTICAST_ENV}={os.environ.get(MULTICAST_ENV)})"}
+    return _STATUS[group_name]
 
 
 def _fused_missing(world: int) -> str | None:
@@ -229,7 +236,7 @@ class _Impls:
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
         self.buf = None
         if ONE in names or TWO in names:
-            _enable(self.group)
+            enable_symm_mem(self.group)
             self.buf = symm.empty(top // DTYPE.itemsize, dtype=DTYPE, device=dev)
         if FUSED in names:
             rows = top // ROW_BYTES
