@@ -124,7 +124,7 @@ def predicted_vs_measured(variants: dict) -> dict | None:
             "model": pred[0]["model"]}
 
 
-def environment(device: str, backend: str | None = None) -> dict:
+def environment(device: str) -> dict:
     """Provenance of every record: torch, date, host, the cost profile fxcoalesce reads
     (``FXCOALESCE_PROFILE``, or "default"), and GPU, GPU count, CUDA, NCCL and driver
     versions (None off CUDA)."""

@@ -400,4 +400,4 @@ def run_bench(opt: BenchOptions) -> list[dict]:
 
     env = NCCL_MODES[opt.nccl_mode] if opt.backend == "nccl" else {}
     per_rank = spawn(bench_worker, opt.tp, (opt,), backend=opt.backend, env=env)
-    return merge_ranks(per_rank, opt, environment(opt.device, opt.backend))
+    return merge_ranks(per_rank, opt, environment(opt.device))
