@@ -431,7 +431,8 @@ def parser() -> argparse.ArgumentParser:
                    help="largest all_reduce, e.g. 16M, at most 1G: every size up to it is held "
                         "at once on each rank, about 3.5 times this (default: %(default)s)")
     c.add_argument("--budget", type=float, default=1.0,
-                   help="seconds of timing per size, roughly (default: %(default)s)")
+                   help="seconds of timing per size, roughly, shared by the implementations "
+                        "measured (default: %(default)s)")
     c.add_argument("--no-cudagraphs", action="store_true",
                    help="CUDA: time an eager loop instead of a captured CUDA graph")
     c.add_argument("--impls",
