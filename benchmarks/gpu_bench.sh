@@ -78,13 +78,15 @@ can_start() {
     if [ -n "$ONLY" ] && [[ ",$ONLY," != *",$run,"* ]]; then return 1; fi
     if [ "$need" -gt "$GPUS" ]; then
         echo "=== $run: skipped, needs $need GPU(s), this machine has $GPUS"
-        status "$run" skipped "needs $need GPU(s), the machine has $GPUS (a kind with fewer GPUs was lent)"
+        status "$run" skipped \
+            "needs $need GPU(s), the machine has $GPUS (a kind with fewer GPUs was lent)"
         return 1
     fi
     l=$(left)
     if [ "$l" -lt "$min" ]; then
         echo "=== $run: skipped, ${l}s of the budget left (needs ${min}s)"
-        status "$run" skipped "budget: ${l}s left, needs ${min}s (run it in a later call: ONLY=$run)"
+        status "$run" skipped \
+            "budget: ${l}s left, needs ${min}s (run it in a later call: ONLY=$run)"
         return 1
     fi
 }
@@ -103,7 +105,8 @@ run_step() {
     echo "=== $run: exit $RC after ${took}s"
     case $RC in
         0) status "$run" done "${took}s" ;;
-        124 | 137) status "$run" "timed out" "after ${took}s (limit ${limit}s), last line: $last" ;;
+        124 | 137)
+            status "$run" "timed out" "after ${took}s (limit ${limit}s), last line: $last" ;;
         *) status "$run" "exit $RC" "after ${took}s: $last" ;;
     esac
 }
@@ -130,10 +133,11 @@ bench() {
     mode=$(echo " $* " | sed -n 's/.* --nccl-mode \([a-z0-9-]*\) .*/\1/p')
     profile=$(profile_of "$tp" "${mode:-gloo}")
     echo "=== $run: fxcoalesce bench $* (limit ${limit}s, ${l}s left)"
-    echo "    cost model: ${profile:-none: calibrate_tp${tp}_${mode:-gloo} is missing, the default model}"
+    echo "    cost model: ${profile:-none (no calibrate_tp${tp}_${mode:-gloo}): the default}"
     FXCOALESCE_PROFILE=$profile run_step "$run" "$limit" "$WORK/$run.log" \
         "$PY" -m fxcoalesce.apps.cli bench "$@" --out "$dir"
-    [ -z "$profile" ] && status "$run" note "ran without its mode's profile (fxcoalesce lowered nothing)"
+    [ -z "$profile" ] && status "$run" note \
+        "ran without its mode's profile (fxcoalesce lowered nothing)"
     if [ -f "$dir/bench.json" ]; then
         "$PY" -c 'import json, sys
 for rec in json.load(open(sys.argv[1])):
