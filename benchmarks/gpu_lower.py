@@ -63,7 +63,7 @@ def step_of(name: str, step: str, layers, tokens: int, group):
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = models.build(name, dtype=torch.bfloat16, layers=layers)
-    models.apply_tp(model, group)
+    models.apply_tp(model, group, keep_collectives=True)  # one rank: keep the all_reduces
     model.cuda()
     with torch.device("cuda"):
         fn, args = make_step(model, step, tokens)
@@ -156,6 +156,9 @@ def main() -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--cg-history", action="store_true",
+                    help="CUDA-graph trees record allocation origins (for a leak report)")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--nocg-models", default="kimi-k2-tiny,llama-3-8b",
                     help="models also compiled without CUDA graphs (the zero-copy one-shot)")
     args = ap.parse_args()
@@ -163,6 +166,8 @@ def main() -> int:
         print("gpu_lower.py needs CUDA", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.cg_history:
+        torch._inductor.config.triton.cudagraph_trees_history_recording = True
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29531", rank=0, world_size=1,
                             device_id=torch.device("cuda", 0))
@@ -179,7 +184,8 @@ def main() -> int:
             fn, inputs = step_of(name, step, layers, args.tokens, group)
             base = {}
             nocg = name in args.nocg_models.split(",")
-            for variant in [v for v in VARIANTS if nocg or not v.endswith("_nocg")]:
+            wanted = [v for v in args.variants.split(",") if nocg or not v.endswith("_nocg")]
+            for variant in [v for v in VARIANTS if v in wanted]:
                 try:
                     r = run_variant(fn, inputs, variant, profiles)
                 except Exception as e:  # one variant failing must not hide the others

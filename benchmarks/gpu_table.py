@@ -16,7 +16,8 @@ import argparse
 import json
 from pathlib import Path
 
-COMPILED = ("inductor", "inductor-bucketing", "hand-merged", "fxcoalesce")
+COMPILED = ("inductor", "inductor-bucketing", "inductor-one-shot", "hand-merged", "fxcoalesce")
+"""The real competitors (no-comm, wrong by design, is none: it is the floor)."""
 SHORT = {"falcon-40b": "falcon-40b 4L", "kimi-k2": "kimi-k2 3L"}
 
 
@@ -25,7 +26,7 @@ def load(path: str | Path) -> list[dict]:
 
 
 def _key(rec: dict):
-    order = ["falcon-40b", "kimi-k2", "neox-tiny", "kimi-k2-tiny"]
+    order = ["llama-3-8b", "falcon-40b", "kimi-k2", "neox-tiny", "kimi-k2-tiny"]
     m = order.index(rec["model"]) if rec["model"] in order else len(order)
     return (not rec["cudagraphs"], m, rec["nccl_mode"] or "", rec["tokens"])
 
@@ -55,34 +56,42 @@ def _ms(x) -> str:
 
 def markdown(records: list[dict]) -> str:
     head = ("| model | tokens | CUDA graphs | NCCL | inductor | inductor-bucketing | "
-            "hand-merged | fxcoalesce | vs inductor | vs best other | launches | "
-            "gain predicted / measured (ms) |")
+            "inductor-one-shot | hand-merged | fxcoalesce | vs inductor | vs best other | "
+            "launches | gain predicted / measured (ms) | exposed comm, fxcoalesce / inductor |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for rec in sorted(records, key=_key):
         r = row(rec)
         gain = (f"{_ms(r['predicted_ms'])} / {_ms(r['measured_ms'])}"
                 if r["measured_ms"] is not None else "-")
+        v = rec["variants"]
+        exposed = (f"{v['fxcoalesce']['exposed_comm_ms'] / v['inductor']['exposed_comm_ms']:.0%}"
+                   if "exposed_comm_ms" in v.get("fxcoalesce", {}) and
+                   v.get("inductor", {}).get("exposed_comm_ms") else "-")
+        ratio = lambda x: "-" if x is None else f"{x:.2f}x"  # noqa: E731
         lines.append(
             f"| {r['model']} | {r['tokens']} | {r['graphs']} | {r['nccl']} | "
             + " | ".join(_ms(r[n]) for n in COMPILED)
-            + f" | {r['vs_inductor']:.2f}x | {r['vs_best_other']:.2f}x | {r['launches']} | "
-              f"{gain} |")
+            + f" | {ratio(r['vs_inductor'])} | {ratio(r['vs_best_other'])} | {r['launches']} | "
+              f"{gain} | {exposed} |")
     return "\n".join(lines)
 
 
 def compact(records: list[dict]) -> str:
     """Every variant of every record, one line each (gpu_bench.sh's closing table)."""
     lines = ["| run | model | tokens | graphs | NCCL | variant | median ms | p10 | p90 | "
-             "vs inductor | all_reduces |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "vs inductor | all_reduces | exposed comm ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         base = r["variants"].get("inductor", {}).get("median_ms")
         for name, v in r["variants"].items():
             x = f"{base / v['median_ms']:.2f}x" if base else "-"
+            flag = " (wrong by design)" if v.get("wrong_by_design") else ""
+            exposed = f"{v['exposed_comm_ms']:.3f}" if "exposed_comm_ms" in v else "-"
             lines.append(
                 f"| {r.get('run', '-')} | {r['model']} | {r['tokens']} | "
                 f"{'on' if r['cudagraphs'] else 'off'} | {r['nccl_mode'] or r['backend']} | "
-                f"{name} | {v['median_ms']:.3f} | {v['p10_ms']:.3f} | {v['p90_ms']:.3f} | {x} | "
-                f"{v['all_reduce_launches']} |")
+                f"{name}{flag} | {v['median_ms']:.3f} | {v['p10_ms']:.3f} | {v['p90_ms']:.3f} | "
+                f"{x} | {v['all_reduce_launches']} | {exposed} |")
     return "\n".join(lines) if records else "(no results)"
 
 
@@ -106,7 +115,8 @@ def chart(records: list[dict], path: str | Path) -> None:
                 ys.append(v["inductor"]["median_ms"] / v[name]["median_ms"])
         ax.bar(xs, ys, width, label=name)
     ax.axhline(1.0, color="black", linewidth=0.8)
-    tag = {"falcon-40b": "falcon", "kimi-k2": "kimi", "neox-tiny": "neox-t",
+    tag = {"llama-3-8b": "llama8b", "falcon-40b": "falcon", "kimi-k2": "kimi",
+           "neox-tiny": "neox-t",
            "kimi-k2-tiny": "kimi-t"}
     labels = [f"{tag.get(r['model'], r['model'])}\nT{r['tokens']}\n"
               f"{'CG' if r['cudagraphs'] else 'no CG'}\n{r['nccl_mode']}" for r in recs]
@@ -114,7 +124,8 @@ def chart(records: list[dict], path: str | Path) -> None:
     ax.set_ylabel("speed-up over plain torch.compile")
     lo = min(0.9, *(b.get_height() for b in ax.patches))
     ax.set_ylim(lo, None)
-    ax.set_title("verify step, TP 2 on two H200s (NCCL), median of 100 interleaved rounds")
+    tps = sorted({r["tp"] for r in recs})
+    ax.set_title(f"verify step, TP {'/'.join(map(str, tps))} (NCCL), median of interleaved rounds")
     ax.legend(fontsize=8, ncol=3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

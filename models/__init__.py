@@ -61,10 +61,13 @@ def parameter_count(name: str, layers: int | None = None) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def apply_tp(model: torch.nn.Module, group) -> torch.nn.Module:
-    """Shard ``model`` over ``group`` in place (its family's ``apply_tp``)."""
+def apply_tp(model: torch.nn.Module, group, *, keep_collectives: bool = False
+             ) -> torch.nn.Module:
+    """Shard ``model`` over ``group`` in place (its family's ``apply_tp``). A group of one rank
+    shards nothing; ``keep_collectives=True`` keeps its (no-op) all_reduces in the graph, so
+    that one GPU can measure and lower them."""
     fam = importlib.import_module(type(model).__module__)
-    return fam.apply_tp(model, group)
+    return fam.apply_tp(model, group, keep_collectives=keep_collectives)
 
 
 def check_tp(name: str, world: int) -> None:

@@ -378,7 +378,10 @@ def check_tp(args: MoEArgs, world: int) -> None:
                     args.n_shared_experts * args.moe_inter_dim, world)
 
 
-def apply_tp(model: Transformer, group: Group) -> Transformer:
+def apply_tp(model: Transformer, group: Group, *, keep_collectives: bool = True
+             ) -> Transformer:
+    # keep_collectives: the families' common keyword; a group of one rank always keeps its
+    # (no-op) all_reduces here
     """Shard ``model`` in place over ``group`` (no-op for None): heads, routed experts, FFNs and
     vocabulary split evenly; the router, norms, MLA down-projections and KV cache replicated."""
     if group is None:

@@ -237,13 +237,14 @@ def pad_heads_(attn: Attention, n_kv_heads: int) -> None:
     attn.n_kv_heads, attn.n_heads = n_kv_heads, n_kv_heads * g
 
 
-def apply_tp(model: Transformer, group: Group) -> Transformer:
+def apply_tp(model: Transformer, group: Group, *, keep_collectives: bool = False
+             ) -> Transformer:
     """Shard ``model`` in place over ``group`` (no-op for None): heads (zero-padded to a
     multiple of the world size), FFN and vocabulary split; norms replicated. Drops any KV
     cache (its head count changes): call ``setup_cache`` afterwards."""
     rank, world = world_of(group)
-    if world == 1:
-        return model
+    if group is None or (world == 1 and not keep_collectives):  # (a group of one rank keeps
+        return model                                             # its no-op all_reduces)
     args = model.args
     check_tp(args, world)
     kv = padded_kv_heads(args.n_kv_heads, world)

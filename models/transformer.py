@@ -173,11 +173,12 @@ def check_tp(args: ModelArgs, world: int) -> None:
     check_divisible("the vocabulary", args.vocab, world)
 
 
-def apply_tp(model: Transformer, group: Group) -> Transformer:
+def apply_tp(model: Transformer, group: Group, *, keep_collectives: bool = False
+             ) -> Transformer:
     """Shard ``model`` in place over ``group``: heads and FFN columns split, vocab split."""
     rank, world = world_of(group)
-    if world == 1:
-        return model
+    if group is None or (world == 1 and not keep_collectives):  # (a group of one rank keeps
+        return model                                             # its no-op all_reduces)
     a = model.args
     check_tp(a, world)
     model.embed.shard_(group)

@@ -27,9 +27,10 @@ def refused(capsys, argv: list[str]) -> str:
 
 @pytest.mark.parametrize("argv, message", [
     (["--variants", "eager,fast"], "--variants: unknown variant(s) 'fast'; choose from: "
-     "eager, inductor, inductor-bucketing, hand-merged, fxcoalesce"),
+     "eager, inductor, inductor-bucketing, inductor-one-shot, hand-merged, fxcoalesce, "
+     "no-comm"),
     (["--variants", ","], "--variants names none; choose from: eager, inductor, "
-     "inductor-bucketing, hand-merged, fxcoalesce"),
+     "inductor-bucketing, inductor-one-shot, hand-merged, fxcoalesce, no-comm"),
     (["--tokens", "3,0"], "--tokens must be at least 1, not 0"),
     (["--cudagraphs"], "--cudagraphs needs --device cuda (CUDA graphs capture GPU work)"),
     (["--trace"], "--trace needs --out DIR (the traces are written there)"),

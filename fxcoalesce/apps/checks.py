@@ -413,12 +413,15 @@ def _byte_count(option: str, text: str) -> int:
     return int(value)
 
 
-def _calibrate_memory(text: str, max_bytes: int, tp: int, device: str) -> None:
+def _calibrate_memory(text: str, max_bytes: int, tp: int, device: str,
+                      backend: str | None = None) -> None:
     """Every rank's buffers (a tensor of each size up to ``max_bytes``, kept for the whole
     run) fit: in available memory for CPU ranks, in each GPU's free memory for CUDA ranks
-    (ranks beyond the GPU count share them). Each rank also needs about 0.5 GiB for torch
-    (measured: 1.17 GiB per gloo rank at --max-bytes 256M, 0.88 GiB of it buffers), 1 GiB on
-    a GPU (context, the matmul probe)."""
+    (ranks beyond the GPU count share them; NCCL ranks also hold the other implementations'
+    buffers: a symmetric buffer of the largest size, the fused op's inputs and workspace,
+    and each captured graph's outputs, about 3 times the sizes' sum more). Each rank also
+    needs about 0.5 GiB for torch (measured: 1.17 GiB per gloo rank at --max-bytes 256M,
+    0.88 GiB of it buffers), 1 GiB on a GPU (context, the matmul probe)."""
     import torch
 
     from fxcoalesce.apps.bench.calibrate import sizes
@@ -428,6 +431,8 @@ def _calibrate_memory(text: str, max_bytes: int, tp: int, device: str) -> None:
         gpus = torch.cuda.device_count()
         sharing = -(-tp // gpus)
         need = sharing * (buffers + GiB)
+        if backend == "nccl":  # symmetric buffer, fused inputs and workspace, graphs' outputs
+            need += 3 * buffers + 4 * max_bytes
         free = min(torch.cuda.mem_get_info(i)[0] for i in range(min(tp, gpus)))
         where = f"each GPU ({sharing} rank{'s' * (sharing > 1)}) needs"
     else:
@@ -439,10 +444,33 @@ def _calibrate_memory(text: str, max_bytes: int, tp: int, device: str) -> None:
                          f"but {free / GiB:.1f} GiB is free (use a smaller --max-bytes)")
 
 
+CALIBRATE_IMPLS = ("nccl", "one_shot", "two_shot", "fused_add_rms_norm")
+"""What ``calibrate --impls`` names (NCCL is always measured: the profile's own curve)."""
+
+
+def _impls(text: str | None) -> tuple[str, ...] | None:
+    """``--impls one_shot,nccl`` -> ('one_shot',) (NCCL is always measured); None: all."""
+    if text is None:
+        return None
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in CALIBRATE_IMPLS]
+    if unknown or not names:
+        raise ValueError(f"--impls: unknown implementation(s) {', '.join(map(repr, unknown))}; "
+                         f"choose from: {', '.join(CALIBRATE_IMPLS)}" if unknown else
+                         f"--impls names none; choose from: {', '.join(CALIBRATE_IMPLS)}")
+    return tuple(n for n in dict.fromkeys(names) if n != "nccl")
+
+
 def check_calibrate(args) -> None:
     _at_least(1, tp=args.tp)
-    if args.tp < 2:
-        raise ValueError("--tp must be at least 2: an all_reduce over one rank moves nothing")
+    if args.tp < 2 and args.backend != "nccl":
+        raise ValueError("--tp 1 needs --backend nccl --device cuda (an NCCL group of one rank: "
+                         "what each implementation costs a call at world size 1); with "
+                         f"{args.backend or 'gloo'} an all_reduce over one rank moves nothing")
+    args.impls = _impls(getattr(args, "impls", None))
+    if args.impls and (args.backend != "nccl" or args.device != "cuda"):
+        raise ValueError(f"--impls {','.join(args.impls)} needs --backend nccl --device cuda "
+                         "(symmetric memory: CUDA ranks of an NCCL group)")
     text = str(args.max_bytes)
     args.max_bytes = _byte_count("--max-bytes", text)
     if args.max_bytes <= 0:
@@ -457,4 +485,4 @@ def check_calibrate(args) -> None:
     _positive(" seconds", budget=args.budget)
     _can_write_file(args.out, "calibrate")
     _gpus(args.device, args.backend, args.tp, gloo_may_share=True)
-    _calibrate_memory(text, args.max_bytes, args.tp, args.device)
+    _calibrate_memory(text, args.max_bytes, args.tp, args.device, args.backend)

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from fxcoalesce.apps import checks
+from fxcoalesce.apps.bench.variants import DEFAULT_VARIANTS, VARIANTS
 from fxcoalesce.config import Config
 from fxcoalesce.viz.picture import MAX_BOXES
 
@@ -186,6 +187,8 @@ def cmd_calibrate(args) -> int:
     for row in data["points"]:
         print(f"  {row['bytes']:>10} B  measured {row['measured_us']:>10.1f} µs  predicted "
               f"{row['predicted_us']:>10.1f} µs  ({row['error']:+.1%})")
+    if "implementations" in data:
+        _print_impls(data)
     if ov := data.get("overlap"):
         print(f"overlap efficiency {ov['efficiency']:.2f} (the share of an all_reduce that "
               "compute issued before its wait hides):")
@@ -195,6 +198,36 @@ def cmd_calibrate(args) -> int:
                   f"{row['both_us']:>8.1f} µs  efficiency {row['efficiency']:.2f}")
     print(f"wrote {args.out}")
     return 0
+
+
+def _print_impls(data: dict) -> None:
+    """calibrate's other implementations: symmetric memory, each curve, what was left out,
+    and a table of every size measured (µs, the slowest rank's median)."""
+    symm = data["symm_mem"]
+    print(f"symmetric memory: {'usable' if symm['usable'] else 'not usable'} ({symm['why']}; "
+          f"{symm.get('checked_by', '')})")
+    impls = data["implementations"]
+    for name, c in impls.items():
+        check = c["check"]
+        print(f"{name} ({c['dtype']}): {len(c['segments'])} segment(s), worst error 1 KB-16 MB "
+              f"{c['max_abs_error_1KB_16MB']:.1%}, up to {c['max_bytes']} B; CUDA graphs: "
+              f"{c['cudagraphs']}; correct at {check['sizes']} sizes (worst error / bound "
+              f"{check['worst_error_over_bound']:.2f}, same on every rank: "
+              f"{check['same_on_every_rank']})")
+        for key in ("capture", "lower"):
+            if key in c:
+                print(f"  {c[key]}")
+    for name, why in data.get("implementations_left_out", {}).items():
+        print(f"{name}: left out ({why})")
+    if not impls:
+        return
+    measured = {name: {p["bytes"]: p["measured_us"] for p in c["points"]}
+                for name, c in impls.items()}
+    nccl = {p["bytes"]: p["measured_us"] for p in data["points"]}
+    print("  " + f"{'bytes':>10}  {'nccl':>9}" + "".join(f"  {n[:10]:>10}" for n in impls))
+    for b in sorted(set(nccl).union(*measured.values())):
+        cells = [f"{m[b]:>10.1f}" if b in m else f"{'-':>10}" for m in measured.values()]
+        print(f"  {b:>10}  {nccl.get(b, float('nan')):>9.1f}  " + "  ".join(cells))
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -300,9 +333,13 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--nccl-mode", choices=["nvlink", "p2p-off"],
                    help="NCCL only: p2p-off sets NCCL_P2P_DISABLE=1 (traffic through host "
                         "memory, like a PCIe box without peer-to-peer) (default: nvlink)")
-    b.add_argument("--variants", default="eager,inductor,inductor-bucketing,hand-merged,"
-                                         "fxcoalesce",
-                   help="comma-separated variants to run (default: %(default)s)")
+    b.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                   help="comma-separated variants to run, of: " + ", ".join(VARIANTS) + ". "
+                        "inductor-one-shot is torch.compile with PyTorch's own one-shot "
+                        "lowering (CUDA + NCCL only, else skipped); no-comm replaces every "
+                        "all_reduce by a local scale: wrong results by design, the floor "
+                        "each variant's exposed_comm_ms is measured from, never a default "
+                        "(default: %(default)s)")
     b.add_argument("--steps", type=int, default=100,
                    help="timed rounds; each calls every variant once (default: %(default)s)")
     b.add_argument("--calls-per-sample", type=int,
@@ -380,7 +417,9 @@ def parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("calibrate", help="measure all_reduce latency on real ranks and fit "
                                          "the cost model (profile.json)")
-    c.add_argument("--tp", type=int, default=2, help="ranks (default: %(default)s)")
+    c.add_argument("--tp", type=int, default=2,
+                   help="ranks (default: %(default)s); 1 with --backend nccl measures what "
+                        "each implementation costs a call at world size 1")
     c.add_argument("--backend", choices=["gloo", "nccl"],
                    help="process group backend (default: gloo)")
     c.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
@@ -392,9 +431,14 @@ def parser() -> argparse.ArgumentParser:
                    help="largest all_reduce, e.g. 16M, at most 1G: every size up to it is held "
                         "at once on each rank, about 3.5 times this (default: %(default)s)")
     c.add_argument("--budget", type=float, default=1.0,
-                   help="seconds of timing per size, roughly (default: %(default)s)")
+                   help="seconds of timing per size, roughly, shared by the implementations "
+                        "measured (default: %(default)s)")
     c.add_argument("--no-cudagraphs", action="store_true",
                    help="CUDA: time an eager loop instead of a captured CUDA graph")
+    c.add_argument("--impls",
+                   help="NCCL on CUDA: the implementations to measure beside NCCL, e.g. "
+                        "one_shot,two_shot (default: all of one_shot, two_shot, "
+                        "fused_add_rms_norm; none on gloo)")
     c.add_argument("--out", required=True, help="profile JSON to write")
     c.set_defaults(fn=cmd_calibrate, check=checks.check_calibrate)
     # argparse takes "-5M" for an option unless it looks like a number: let the check say why

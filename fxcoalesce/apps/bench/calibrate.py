@@ -2,13 +2,17 @@
 
     fxcoalesce calibrate --tp 2 --out profile.json                      # gloo, CPU
     fxcoalesce calibrate --tp 2 --backend nccl --device cuda --nccl-mode p2p-off --out p.json
+    fxcoalesce calibrate --tp 1 --backend nccl --device cuda --out p.json   # one GPU
 
 Sizes run from 8 B to 64 MiB, two per octave. On CPU each point is the median over repeated
 back-to-back loops of wall time; on CUDA, of CUDA-event time around the replay of a CUDA graph
 that captured the loop (the way torch.compile's CUDA-graph trees capture collectives), or an
-eager loop when capture is off or fails. The fit is piecewise alpha-beta (fewest segments,
-least squares on relative error refined to the smallest worst error; up to 4 segments:
-gloo switches algorithm between 256 KB and 3 MB), which ``CostModel.from_profile`` reads back.
+eager loop when capture is off or fails. On CUDA ranks of an NCCL group the other
+implementations the ``lower`` and ``fuse_norm`` passes choose from are measured the same way,
+interleaved with NCCL, after a correctness check of each (``calibrate_impls``). The fit is
+piecewise alpha-beta (``fit``: fewest segments, least squares on relative error refined to
+the smallest worst error; up to 4 segments: gloo switches algorithm between 256 KB and
+3 MB), one per implementation, which ``CostModel.from_profile`` reads back.
 Then ``measure_overlap``: how much of an all_reduce in flight a matmul hides (the profile's
 ``overlap.efficiency``, which the cost model scales every overlap window by).
 """
@@ -16,7 +20,6 @@ Then ``measure_overlap``: how much of an all_reduce in flight a matmul hides (th
 from __future__ import annotations
 
 import json
-import math
 import statistics
 import time
 from datetime import date
@@ -24,7 +27,11 @@ from datetime import date
 import torch
 import torch.distributed as dist
 
+from fxcoalesce.apps.bench.fit import _line, fit, fit_rows  # noqa: F401 (fit: re-exported)
+
 FLOAT_BYTES = 4
+IMPLS = ("one_shot", "two_shot", "fused_add_rms_norm")
+"""What ``calibrate`` measures beside NCCL on CUDA ranks of an NCCL group (``--impls``)."""
 NCCL_MODES = {"nvlink": {}, "p2p-off": {"NCCL_P2P_DISABLE": "1"}}
 
 
@@ -49,15 +56,20 @@ def _loop_us(run, reps: int, loops: int, sync) -> float:
     return statistics.median(times)
 
 
-def _cuda_loop(t: torch.Tensor, reps: int, cudagraphs: bool):
-    """A callable timing ``reps`` back-to-back all_reduces of ``t`` with CUDA events (µs per
-    call): the replay of a CUDA graph that captured them, or the eager loop when capture is
-    off or fails. ``.captured`` says which."""
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]
+
+
+def _cuda_loop(call, reps: int, cudagraphs: bool, dev: torch.device):
+    """A callable timing ``reps`` back-to-back ``call()`` s with CUDA events (µs per call):
+    the replay of a CUDA graph that captured them, or the eager loop when capture is off or
+    fails on any rank. ``.captured`` says which, ``.capture_error`` why not."""
     def eager():
         for _ in range(reps):
-            dist.all_reduce(t)
+            call()
 
-    replay, captured = eager, False
+    replay, captured, error = eager, False, None
     if cudagraphs:
         try:
             graph = torch.cuda.CUDAGraph()
@@ -66,13 +78,15 @@ def _cuda_loop(t: torch.Tensor, reps: int, cudagraphs: bool):
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 eager()
             replay, captured = graph.replay, True
-        except RuntimeError:
+        except RuntimeError as e:
             torch.cuda.synchronize()
+            error = _first_line(e)
         # a graph replays its collectives only if every rank captured: agree before any replay
-        ok = torch.tensor([1 if captured else 0], device=t.device)
+        ok = torch.tensor([1 if captured else 0], device=dev)
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
         if not int(ok):
             replay, captured = eager, False
+            error = error or "another rank's capture failed"
     replay()
 
     def timed() -> float:
@@ -83,49 +97,80 @@ def _cuda_loop(t: torch.Tensor, reps: int, cudagraphs: bool):
         end.synchronize()
         return start.elapsed_time(end) * 1e3 / reps
 
-    timed.captured = captured
+    timed.captured, timed.capture_error = captured, error
     return timed
 
 
-def calibrate_worker(rank: int, world: int, byte_sizes: list[int], device: str,
-                     cudagraphs: bool, budget_s: float, passes: int = 15) -> dict:
-    """One rank's measurements: {bytes: µs}, and whether CUDA graphs were used.
+def _reps(call, share_s: float, passes: int, sync, dev: torch.device) -> int:
+    """Warm ``call`` up and say how many back-to-back calls fill ``share_s / passes`` (the
+    slowest rank's guess: every rank runs the same calls)."""
+    call()
+    sync()
+    start = time.perf_counter()
+    call()
+    sync()
+    guess = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=dev)
+    dist.all_reduce(guess, op=dist.ReduceOp.MAX)
+    return max(1, min(50, int(share_s / passes / max(float(guess), 1e-6))))
 
-    Sizes are measured round-robin over ``passes`` passes and each size keeps its median, so
-    a slow spell of the machine spreads over all sizes instead of bending one part of the fit.
+
+def calibrate_worker(rank: int, world: int, byte_sizes: list[int], device: str,
+                     cudagraphs: bool, budget_s: float, impls: tuple[str, ...] = (),
+                     passes: int = 15) -> dict:
+    """One rank's measurements: NCCL's (or gloo's) {bytes: µs} and, on CUDA ranks of an NCCL
+    group, each implementation of ``impls`` that passed its correctness check
+    (``calibrate_impls.prepare``), and whether CUDA graphs were used.
+
+    Every (implementation, size) is measured round-robin over ``passes`` passes (in reverse
+    order on odd passes) and keeps its median, so a slow spell of the machine spreads over
+    all of them instead of bending one curve or one part of a fit. ``budget_s`` is shared by
+    the implementations measured: the time per size stays about the same with more of them.
     """
     cuda = device == "cuda"
     dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     torch.set_num_threads(1)  # the ranks and gloo's threads share the cores
     tensors = {b: torch.zeros(b // FLOAT_BYTES, device=dev) for b in byte_sizes}
-    reps = {}
-    for nbytes, t in tensors.items():  # warm-up, and how many calls fill the budget
-        dist.all_reduce(t)
-        sync()
-        start = time.perf_counter()
-        dist.all_reduce(t)
-        sync()
-        guess = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=dev)
-        dist.all_reduce(guess, op=dist.ReduceOp.MAX)  # every rank runs the same calls
-        reps[nbytes] = max(1, min(50, int(budget_s / passes / max(float(guess), 1e-6))))
-    runs: dict[int, list[float]] = {b: [] for b in byte_sizes}
-    captured = cuda and cudagraphs
-    loops = {b: _cuda_loop(t, reps[b], captured) if cuda else None for b, t in tensors.items()}
-    for _ in range(passes):
-        for nbytes, t in tensors.items():
+    calls = {("nccl", b): (lambda t=t: dist.all_reduce(t)) for b, t in tensors.items()}
+    facts = None
+    if cuda and impls and dist.get_backend() == "nccl":
+        from fxcoalesce.apps.bench.calibrate_impls import prepare
+
+        more, facts = prepare(impls, byte_sizes, dev)
+        calls.update(more)
+    order = sorted(calls, key=lambda case: (case[1], case[0] != "nccl", case[0]))
+    share = budget_s / len({impl for impl, _ in calls})
+    reps = {case: _reps(calls[case], share, passes, sync, dev) for case in order}
+    loops = {case: _cuda_loop(calls[case], reps[case], cudagraphs, dev) for case in order
+             } if cuda else {}
+    runs: dict[tuple, list[float]] = {case: [] for case in order}
+    for p in range(passes):
+        for case in order if p % 2 == 0 else order[::-1]:
             dist.barrier()
             if cuda:
-                runs[nbytes].append(loops[nbytes]())
+                runs[case].append(loops[case]())
             else:
-                runs[nbytes].append(_loop_us(
-                    lambda k, t=t: [dist.all_reduce(t) for _ in range(k)], reps[nbytes], 1, sync))
-    points = {b: statistics.median(v) for b, v in runs.items()}
-    used = all(getattr(loop, "captured", False) for loop in loops.values()) if cuda else False
-    overlap = [measure_overlap(nbytes, dev, captured, passes)
+                call = calls[case]
+                runs[case].append(_loop_us(lambda k: [call() for _ in range(k)], reps[case],
+                                           1, sync))
+    median = {case: statistics.median(v) for case, v in runs.items()}
+    points = {b: median["nccl", b] for b in byte_sizes}
+    used = cuda and all(loops["nccl", b].captured for b in byte_sizes)
+    overlap = [measure_overlap(nbytes, dev, cuda and cudagraphs, passes)
                for nbytes in OVERLAP_BYTES if nbytes <= max(byte_sizes)]
-    return {"points": points, "cudagraphs": used, "compute": compute_constants(dev),
-            "overlap": overlap}
+    out = {"points": points, "cudagraphs": used, "compute": compute_constants(dev),
+           "overlap": overlap}
+    if facts is not None:
+        names = [impl for impl in impls if any(i == impl for i, _ in calls)]
+        facts["points"] = {impl: {b: m for (i, b), m in median.items() if i == impl}
+                           for impl in names}
+        facts["captured"] = {impl: [loops[c].captured for c in order if c[0] == impl]
+                             for impl in names}
+        facts["capture_errors"] = {impl: next((loops[c].capture_error for c in order
+                                               if c[0] == impl and loops[c].capture_error),
+                                              None) for impl in names}
+        out["impls"] = facts
+    return out
 
 
 OVERLAP_BYTES = (64 << 10, 256 << 10, 1 << 20, 4 << 20)
@@ -241,106 +286,26 @@ def compute_constants(dev: torch.device) -> dict:
             "kernel_us": round(launch_s * 1e6, 2)}
 
 
-def _line(points: list[tuple[int, float]]) -> tuple[float, float]:
-    """alpha, beta >= 0 minimising the squared relative error of alpha + beta * bytes."""
-    # rows [1/m, b/m] . [alpha, beta] ~ 1: 2x2 normal equations
-    s11 = sum(1 / m**2 for _, m in points)
-    s12 = sum(b / m**2 for b, m in points)
-    s22 = sum(b * b / m**2 for b, m in points)
-    r1, r2 = sum(1 / m for _, m in points), sum(b / m for b, m in points)
-    det = s11 * s22 - s12 * s12
-    if len(points) < 2 or det <= 0:
-        return statistics.median(m for _, m in points), 0.0
-    alpha, beta = (r1 * s22 - r2 * s12) / det, (s11 * r2 - s12 * r1) / det
-    if beta < 0:
-        return statistics.median(m for _, m in points), 0.0
-    if alpha < 0:  # through the origin
-        return 0.0, r2 / s22
-    return alpha, beta
-
-
-def _minimax(points: list[tuple[int, float]], alpha: float, beta: float
-             ) -> tuple[float, float]:
-    """Refine a least-squares line to shrink its worst relative error: alternate 1-D searches
-    on alpha and beta (the worst error is convex in each), keeping both >= 0."""
-    worst = lambda a, b: max(abs(a + b * x - m) / m for x, m in points)  # noqa: E731
-
-    def search(f, lo, hi):
-        for _ in range(60):
-            m1, m2 = lo + (hi - lo) / 3, hi - (hi - lo) / 3
-            lo, hi = (lo, m2) if f(m1) <= f(m2) else (m1, hi)
-        return (lo + hi) / 2
-
-    top = max(m for _, m in points)
-    for _ in range(4):
-        alpha = search(lambda a: worst(a, beta), 0.0, 2 * top)
-        span = max(beta * 4, top / max(x for x, _ in points))
-        beta = search(lambda b: worst(alpha, b), 0.0, span)
-    return alpha, beta
-
-
-def _max_error(segments, points) -> float:
-    return max(abs(_predict(segments, b) - m) / m for b, m in points)
-
-
-def _predict(segments: list[dict], nbytes: int) -> float:
-    seg = next((s for s in segments if nbytes <= s["up_to_bytes"]), segments[-1])
-    return seg["alpha_us"] + seg["beta_us_per_byte"] * nbytes
-
-
-def fit(points: dict[int, float], max_segments: int = 4) -> list[dict]:
-    """Piecewise alpha-beta with the fewest segments whose worst relative error is under 10%
-    (else the best of up to ``max_segments``); breakpoints at measured sizes. Candidate
-    breakpoints are ranked by least squares; the best few are refined to minimax."""
-    pts = sorted(points.items())
-
-    def segs(cuts, refine=False):
-        bounds = [0, *cuts, len(pts)]
-        out = []
-        for lo, hi in zip(bounds, bounds[1:]):
-            a, b = _line(pts[lo:hi])
-            if refine:
-                a, b = _minimax(pts[lo:hi], a, b)
-            out.append({"up_to_bytes": pts[hi - 1][0], "alpha_us": a, "beta_us_per_byte": b})
-        return out
-
-    best = segs([], refine=True)
-    for k in range(1, max_segments):
-        if _max_error(best, pts) < 0.10:
-            break
-        ranked = sorted(_cut_choices(len(pts), k), key=lambda c: _max_error(segs(c), pts))
-        for cuts in ranked[:8]:
-            cand = segs(list(cuts), refine=True)
-            if _max_error(cand, pts) < _max_error(best, pts):
-                best = cand
-    return best
-
-
-def _cut_choices(n: int, k: int, min_len: int = 3):
-    """Increasing breakpoints leaving at least ``min_len`` points per segment."""
-    import itertools
-
-    for cuts in itertools.combinations(range(min_len, n - min_len + 1), k):
-        if all(b - a >= min_len for a, b in zip(cuts, cuts[1:])):
-            yield cuts
-
-
 def profile(results: list[dict], *, backend: str, device: str, world: int,
             nccl_mode: str | None, command: str) -> dict:
-    """The profile.json content: each size's slowest rank, the fits and their errors."""
+    """The profile.json content: each size's slowest rank, the fits and their errors; on
+    CUDA ranks of an NCCL group also ``symm_mem``, ``implementations`` (one fitted curve per
+    implementation measured, the format ``CostModel.from_profile`` reads) and
+    ``implementations_left_out`` (implementation: why)."""
     points = {b: max(r["points"][b] for r in results) for b in results[0]["points"]}
-    segments = fit(points)
+    segments, rows, worst = fit_rows(points)
     alpha, beta = _line(sorted(points.items()))
-    rows = [{"bytes": b, "measured_us": round(m, 2), "predicted_us": round(_predict(segments, b), 2),
-             "error": round((_predict(segments, b) - m) / m, 4)} for b, m in sorted(points.items())]
-    in_range = [r for r in rows if 1024 <= r["bytes"] <= 16 << 20]
+    impls = {}
+    if "impls" in results[0]:
+        from fxcoalesce.apps.bench.calibrate_impls import implementations_section
+
+        impls = implementations_section([r["impls"] for r in results])
     return {
         "backend": backend, "device": device, "world_size": world, "nccl_mode": nccl_mode,
         "alpha_us": round(alpha, 3), "beta_us_per_byte": beta, "segments": segments,
-        "points": rows,
-        "max_abs_error_1KB_16MB": max((abs(r["error"]) for r in in_range), default=math.nan),
+        "points": rows, "max_abs_error_1KB_16MB": worst,
         "cudagraphs": results[0]["cudagraphs"], "compute": results[0]["compute"],
-        **overlap_summary(results),
+        **overlap_summary(results), **impls,
         "torch": torch.__version__, "nccl": _nccl_version() if backend == "nccl" else None,
         "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
         "date": date.today().isoformat(), "command": command,
@@ -375,7 +340,12 @@ def run_calibrate(args) -> dict:
     # gloo runs its collectives from the host: a CUDA graph cannot capture them, and the
     # failed capture broke the run (torch 2.11: "Offset increment outside graph capture")
     cudagraphs = not args.no_cudagraphs and backend == "nccl"
-    results = spawn(calibrate_worker, args.tp, (byte_sizes, args.device, cudagraphs, args.budget),
+    # the other implementations need CUDA ranks of an NCCL group (symmetric memory)
+    chosen = getattr(args, "impls", None)  # None: all; () with --impls nccl
+    impls = (IMPLS if chosen is None else tuple(chosen)) if (
+        backend == "nccl" and args.device == "cuda") else ()
+    results = spawn(calibrate_worker, args.tp,
+                    (byte_sizes, args.device, cudagraphs, args.budget, impls),
                     backend=backend, env=env)
     return profile(results, backend=backend, device=args.device, world=args.tp,
                    nccl_mode=args.nccl_mode if backend == "nccl" else None,

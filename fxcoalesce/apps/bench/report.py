@@ -3,8 +3,12 @@ count), ``bench.md`` (a markdown table per record) and ``bench.png`` (bar chart,
 whiskers), and the table it prints. Pure functions of the records: no torch.
 
 A record: ``{"model", "step", "tp", "tokens", "layers", "backend", "device", "cudagraphs",
-"nccl_mode", "torch", "gpu", ..., "variants": {NAME: {"median_ms", "p10_ms", "p90_ms",
-"all_reduce_launches", "bytes", "max_abs_err", ...}}, "skipped": {NAME: why}, "notes": [...]}``.
+"nccl_mode", "torch", "gpu", "driver", "nccl", "profile", "date", ..., "variants": {NAME:
+{"median_ms", "p10_ms", "p90_ms", "all_reduce_launches", "bytes", "max_abs_err",
+"exposed_comm_ms" (when no-comm ran), "wrong_by_design" (no-comm), "lowered", ...}},
+"skipped": {NAME: why}, "notes": [...]}`` (``records.py`` makes them). The ``no-comm``
+variant is wrong by design: its row says so in the error column, its bar is hatched red with
+the floor drawn across the panel, and the table gains an "exposed comm ms" column.
 """
 
 from __future__ import annotations
@@ -39,14 +43,36 @@ def _bytes(n: int) -> str:
 
 HEADER = ("variant", "median ms", "p10 ms", "p90 ms", f"vs {BASELINE}", "all_reduce launches",
           "bytes reduced", "max abs err", "compile s")
+EXPOSED = "exposed comm ms"
+"""The column shown when the no-comm floor ran: each variant's median minus the floor's."""
+
+
+def header(rec: dict) -> tuple[str, ...]:
+    if not any("exposed_comm_ms" in v for v in rec["variants"].values()):
+        return HEADER
+    return (*HEADER[:-1], EXPOSED, HEADER[-1])
+
+
+def _launches(v: dict) -> str:
+    """'9', or '9 (9 one_shot)' when some ran as a lowered implementation."""
+    lowered = ", ".join(f"{n} {impl}" for impl, n in (v.get("lowered") or {}).items() if n)
+    return f"{v['all_reduce_launches']}" + (f" ({lowered})" if lowered else "")
+
+
+def _error(v: dict) -> str:
+    err = f"{v['max_abs_err']:.3g}"
+    return f"{err} (wrong by design)" if v.get("wrong_by_design") else err
 
 
 def rows(rec: dict) -> list[tuple[str, ...]]:
+    exposed = EXPOSED in header(rec)
     out = []
     for name, v in rec["variants"].items():
-        out.append((name, f"{v['median_ms']:.3f}", f"{v['p10_ms']:.3f}", f"{v['p90_ms']:.3f}",
-                    _speedup(rec, name), str(v["all_reduce_launches"]), _bytes(v["bytes"]),
-                    f"{v['max_abs_err']:.3g}", f"{v.get('compile_s', 0):.1f}"))
+        cells = [name, f"{v['median_ms']:.3f}", f"{v['p10_ms']:.3f}", f"{v['p90_ms']:.3f}",
+                 _speedup(rec, name), _launches(v), _bytes(v["bytes"]), _error(v)]
+        if exposed:
+            cells.append(f"{v['exposed_comm_ms']:.3f}" if "exposed_comm_ms" in v else "-")
+        out.append((*cells, f"{v.get('compile_s', 0):.1f}"))
     return out
 
 
@@ -70,8 +96,8 @@ def remarks(rec: dict) -> list[str]:
 
 
 def text_table(rec: dict) -> str:
-    table = [HEADER, *rows(rec)]
-    widths = [max(len(r[i]) for r in table) for i in range(len(HEADER))]
+    table = [header(rec), *rows(rec)]
+    widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
     fmt = lambda r: "  " + "  ".join(  # noqa: E731
         c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
     lines = [title(rec), *map(fmt, table)]
@@ -83,8 +109,8 @@ def markdown(records: list[dict]) -> str:
     parts = []
     for rec in records:
         parts.append(f"### {title(rec)}\n")
-        parts.append("| " + " | ".join(HEADER) + " |")
-        parts.append("|" + "---|" * len(HEADER))
+        parts.append("| " + " | ".join(header(rec)) + " |")
+        parts.append("|" + "---|" * len(header(rec)))
         parts += ["| " + " | ".join(r) + " |" for r in rows(rec)]
         parts.append("")
         parts += [f"- {line}" for line in remarks(rec)]
@@ -92,9 +118,18 @@ def markdown(records: list[dict]) -> str:
         per = f" ({k} calls back to back per sample, divided by {k})" if k > 1 else ""
         parts.append(f"\n{rec['steps']} timed rounds after {rec['warmup']} warm-up{per}; a "
                      "step's time is its slowest rank's; all_reduce launches counted at run time "
-                     f"(profiler); torch {rec['torch']}, {rec['date']}. "
-                     f"Command: `{rec.get('command', '')}`\n")
+                     f"(profiler); {provenance(rec)}. Command: `{rec.get('command', '')}`\n")
     return "\n".join(parts)
+
+
+def provenance(rec: dict) -> str:
+    """torch, GPU, driver, NCCL, the cost profile and the date of a record."""
+    parts = [f"torch {rec['torch']}"]
+    if rec.get("gpu"):
+        parts.append(f"{rec.get('gpus', 1)}x {rec['gpu']}, driver {rec.get('driver') or '?'}, "
+                     f"NCCL {rec.get('nccl') or '?'}")
+    parts += [f"cost profile {rec.get('profile', 'default')}", rec["date"]]
+    return ", ".join(parts)
 
 
 def write_png(records: list[dict], path: Path) -> str | None:
@@ -114,10 +149,18 @@ def write_png(records: list[dict], path: Path) -> str | None:
         names = list(rec["variants"])
         v = [rec["variants"][n] for n in names]
         med = [x["median_ms"] for x in v]
-        err = [[m - x["p10_ms"] for m, x in zip(med, v)], [x["p90_ms"] - m for m, x in zip(med, v)]]
-        colors = ["tab:green" if n == "fxcoalesce" else "tab:gray" for n in names]
-        ax.bar(range(len(names)), med, yerr=err, capsize=3, color=colors)
-        labels = [f"{n}\n{x['all_reduce_launches']} all_reduces" for n, x in zip(names, v)]
+        err = [[m - x["p10_ms"] for m, x in zip(med, v)],
+               [x["p90_ms"] - m for m, x in zip(med, v)]]
+        colors = ["tab:green" if n == "fxcoalesce" else "tab:red" if x.get("wrong_by_design")
+                  else "tab:gray" for n, x in zip(names, v)]
+        bars = ax.bar(range(len(names)), med, yerr=err, capsize=3, color=colors)
+        for bar, x in zip(bars, v):
+            if x.get("wrong_by_design"):  # the floor: hatched, and drawn across the panel
+                bar.set_hatch("//")
+                ax.axhline(x["median_ms"], color="tab:red", linestyle="--", linewidth=0.8)
+        labels = [f"{n}\n{x['all_reduce_launches']} all_reduces"
+                  + ("\nWRONG BY DESIGN" if x.get("wrong_by_design") else "")
+                  for n, x in zip(names, v)]
         ax.set_xticks(range(len(names)), labels, rotation=35, ha="right", fontsize=7)
         ax.set_title(f"{rec['tokens']} tokens", fontsize=9)
         ax.set_ylabel("step time, ms (median, p10-p90)")

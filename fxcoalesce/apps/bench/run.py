@@ -44,9 +44,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from fxcoalesce.apps.bench.records import environment, merge_ranks, percentile  # noqa: F401
 from fxcoalesce.apps.bench.timing import timed
-from fxcoalesce.apps.bench.variants import (VARIANTS, bucketing_options, compile_variant,
-                                            has_hand_merged, hand_merged_twin)
+from fxcoalesce.apps.bench.variants import (DEFAULT_VARIANTS, bucketing_options,
+                                            compile_variant, has_hand_merged, hand_merged_twin,
+                                            unavailable)
 from fxcoalesce.apps.steps import make_step
 
 
@@ -72,8 +74,8 @@ class BenchOptions:
     """Compile with mode="reduce-overhead" (CUDA graphs) for every compiled variant."""
     nccl_mode: str | None = None
     """NCCL only: "nvlink" (NCCL's default transports) or "p2p-off" (NCCL_P2P_DISABLE=1)."""
-    variants: tuple[str, ...] = VARIANTS
-    """Which variants to run, in this order."""
+    variants: tuple[str, ...] = DEFAULT_VARIANTS
+    """Which variants to run, in this order (``variants.VARIANTS`` names them all)."""
     steps: int = 100
     """Timed rounds."""
     calls_per_sample: int = 1
@@ -98,15 +100,6 @@ class BenchOptions:
     def rounds_before_timing(self) -> int:
         # CUDA-graph trees: the compiling call warms up, the next records, then replays
         return max(self.warmup, 3) if self.cudagraphs else self.warmup
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The ``q``-th percentile (0-100) by linear interpolation between the sorted values."""
-    s = sorted(values)
-    pos = (len(s) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
 _ITEMSIZE = {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8}
@@ -136,25 +129,37 @@ def _quiet_stderr():
         os.close(saved)
 
 
+LOWERED_OPS = {"symm_mem::one_shot_all_reduce": "one_shot",
+               "symm_mem::two_shot_all_reduce_": "two_shot",
+               "fxcoalesce::all_reduce_add_rms_norm": "fused_add_rms_norm"}
+"""The ops an all_reduce runs as when it is not NCCL's (fxcoalesce's lowering, Inductor's
+one-shot), by the implementation's name in the profile."""
+
+
 def count_collectives(call, itemsize: int) -> dict:
     """Run ``call()`` once under ``torch.profiler`` (CPU ops, shapes) and count what it
-    issued: all_reduce ops of ``_c10d_functional`` (each one process-group launch, fused
-    buckets included), the bytes they reduce, and the other collectives by name."""
+    issued: all_reduces, whatever runs them (each ``_c10d_functional`` all_reduce is one
+    process-group launch, fused buckets included; ``lowered`` counts those run by a
+    symmetric-memory or fused op instead), the bytes they reduce, and the other collectives
+    by name."""
     from torch.profiler import ProfilerActivity, profile
 
     with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         call()
-    launches, nbytes, other = 0, 0, Counter()
+    launches, nbytes, other, lowered = 0, 0, Counter(), Counter()
     for e in prof.events():
         namespace, _, op = e.name.partition("::")
-        if namespace != "_c10d_functional" or op.startswith("wait"):
+        if e.name in LOWERED_OPS:
+            lowered[LOWERED_OPS[e.name]] += 1
+        elif namespace != "_c10d_functional" or op.startswith("wait"):
             continue
-        if op.startswith("all_reduce"):
-            launches += 1
-            nbytes += _event_bytes(e, itemsize)
-        else:
+        elif not op.startswith("all_reduce"):
             other[op.rstrip("_")] += 1
-    return {"all_reduce_launches": launches, "bytes": nbytes, "other_collectives": dict(other)}
+            continue
+        launches += 1
+        nbytes += _event_bytes(e, itemsize)
+    return {"all_reduce_launches": launches, "bytes": nbytes, "other_collectives": dict(other),
+            "lowered": dict(lowered)}
 
 
 TRACE_CALLS = 5
@@ -271,6 +276,11 @@ def _compile_all(r: _Rank, fns: dict, args: tuple, tokens: int):
         if name == "hand-merged" and r.twin is None:
             skipped[name] = f"{opt.model} has no hand-merged code (sequential blocks)"
             continue
+        why = unavailable(name, opt.device, opt.backend) or (
+            _symm_mem_for_group(r) if name == "inductor-one-shot" else None)
+        if why:
+            skipped[name] = why
+            continue
         tiers = (bucketing_options(opt.device, opt.cudagraphs)
                  if name == "inductor-bucketing" else [None])
         if not tiers:
@@ -282,7 +292,7 @@ def _compile_all(r: _Rank, fns: dict, args: tuple, tokens: int):
             fn = compile_variant(name, fns[name], f"fxcoalesce bench {name} tokens={tokens} "
                                  f"try={k}", cudagraphs=opt.cudagraphs, options=options,
                                  on_graph=lambda b, a, report, reports=reports:
-                                 reports.append(report))
+                                 reports.append(report), world=dist.get_world_size())
             what = "running" if name == "eager" else "compiling"
             r.say(f"  {what} {name} ({i}/{len(opt.variants)}) ...")
             dist.barrier()
@@ -306,6 +316,19 @@ def _compile_all(r: _Rank, fns: dict, args: tuple, tokens: int):
         else:
             skipped[name] = f"failed to compile: {'; '.join(failures)}"
     return calls, facts, skipped
+
+
+def _symm_mem_for_group(r: _Rank) -> str | None:
+    """Symmetric memory enabled for the world group, for ``inductor-one-shot``, once it is
+    tested usable on every rank (collective; the same verdict on every rank); why not."""
+    from fxcoalesce.apps.bench.calibrate_impls import enable_symm_mem, symm_mem_status
+
+    group = dist.group.WORLD.group_name
+    status = symm_mem_status(group, r.dev)
+    if not status["usable"]:
+        return f"symmetric memory is not usable: {status['why']}"
+    enable_symm_mem(group)
+    return None
 
 
 def _bench_tokens(r: _Rank, tokens: int) -> dict:
@@ -368,98 +391,6 @@ def _bench_tokens(r: _Rank, tokens: int) -> dict:
     notes = [] if hasattr(r.model, "setup_cache") or opt.step == "forward" else [
         f"{opt.model} has no KV cache: its verify step is a plain forward over the tokens"]
     return {"tokens": tokens, "variants": facts, "skipped": skipped, "notes": notes}
-
-
-def merge_ranks(per_rank: list[list[dict]], opt: BenchOptions, env: dict) -> list[dict]:
-    """One record per token count from every rank's results: a step takes as long as its
-    slowest rank; counts are rank 0's (each rank's are kept when they differ)."""
-    records = []
-    for i, tokens in enumerate(opt.tokens):
-        ranks = [res[i] for res in per_rank]
-        variants, notes = {}, list(ranks[0]["notes"])
-        for name, f in ranks[0]["variants"].items():
-            steps = [max(vals) for vals in zip(*(rk["variants"][name]["times_us"]
-                                                 for rk in ranks))]
-            launches = [rk["variants"][name]["all_reduce_launches"] for rk in ranks]
-            v = {"median_ms": statistics.median(steps) / 1e3,
-                 "p10_ms": percentile(steps, 10) / 1e3, "p90_ms": percentile(steps, 90) / 1e3,
-                 "all_reduce_launches": launches[0], "bytes": f["bytes"],
-                 "max_abs_err": max(rk["variants"][name]["max_abs_err"] for rk in ranks),
-                 "other_collectives": f["other_collectives"], "compile_s": f["compile_s"],
-                 "steps_ms": [round(s / 1e3, 4) for s in steps]}
-            if f["options"]:
-                v["inductor_options"] = f["options"]
-            if f.get("trace"):
-                v["trace"] = f["trace"]
-            if f["failed_tiers"]:
-                v["failed_option_tiers"] = f["failed_tiers"]
-            if f["reports"]:
-                v["report_all_reduce"] = f["reports"]
-                v["report_predicted_comm_us"] = f["predicted_comm_us"]
-            if len(set(launches)) > 1:
-                v["all_reduce_launches_per_rank"] = launches
-                notes.append(f"{name}: ranks issued different all_reduce counts {launches}")
-            if name == "fxcoalesce" and not f["reports"]:
-                notes.append("fxcoalesce: no report recorded, so the pass did not run")
-            if opt.cudagraphs and f["cudagraph_skips"] and name != "eager":
-                notes.append(f"{name}: Inductor skipped CUDA graphs for {f['cudagraph_skips']} "
-                             "graph(s) (its log says why)")
-            if f["graphs"] != 1 and name != "eager":
-                notes.append(f"{name}: dynamo made {f['graphs']} graphs on its first call, "
-                             "expected 1")
-            if any(rk["variants"][name]["recompiled"] for rk in ranks):
-                notes.append("dynamo compiled again during timing (a variant recompiled)")
-            variants[name] = v
-        records.append({
-            "model": opt.model, "step": opt.step, "tp": opt.tp, "tokens": tokens,
-            "layers": opt.layers, "backend": opt.backend, "device": opt.device,
-            "cudagraphs": opt.cudagraphs, "nccl_mode": opt.nccl_mode,
-            "dtype": str(opt.dtype).removeprefix("torch."), "steps": opt.steps,
-            "calls_per_sample": opt.calls_per_sample,
-            "warmup": opt.rounds_before_timing, **env, "variants": variants,
-            "skipped": ranks[0]["skipped"], "notes": sorted(set(notes)),
-            "gain": predicted_vs_measured(variants), "command": opt.command})
-    return records
-
-
-def predicted_vs_measured(variants: dict) -> dict | None:
-    """fxcoalesce's step-time saving over plain Inductor, as its report predicted it (exposed
-    communication before minus after) and as measured (median against median)."""
-    ours, plain = variants.get("fxcoalesce"), variants.get("inductor")
-    if not ours or not plain or not ours.get("report_predicted_comm_us"):
-        return None
-    pred = ours["report_predicted_comm_us"]
-    predicted = sum(p["before"]["exposed"] - p["after"]["exposed"] for p in pred) / 1e3
-    measured = plain["median_ms"] - ours["median_ms"]
-    return {"predicted_ms": round(predicted, 4), "measured_ms": round(measured, 4),
-            "error": round((measured - predicted) / predicted, 3) if predicted else None,
-            "model": pred[0]["model"]}
-
-
-def environment(device: str) -> dict:
-    """Versions and hardware recorded with every result (GPU, driver, NCCL when on CUDA)."""
-    import platform
-    import subprocess
-    from datetime import datetime, timezone
-
-    env = {"torch": torch.__version__, "gpu": None,
-           "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-           "host": {"cpus": os.cpu_count(), "machine": platform.machine()}}
-    if device == "cuda":
-        env["gpu"] = torch.cuda.get_device_name(0)
-        env["gpus"] = torch.cuda.device_count()
-        env["cuda"] = torch.version.cuda
-        try:
-            env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
-        except (AttributeError, RuntimeError):
-            env["nccl"] = None
-        try:
-            env["driver"] = subprocess.run(
-                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                capture_output=True, text=True, timeout=20).stdout.split("\n")[0].strip() or None
-        except (OSError, subprocess.SubprocessError):
-            env["driver"] = None
-    return env
 
 
 def run_bench(opt: BenchOptions) -> list[dict]:

@@ -3,14 +3,23 @@
     eager               the model's own code, no compile
     inductor            torch.compile (Inductor), nothing else
     inductor-bucketing  Inductor with its own all_reduce bucketing and overlap options
+    inductor-one-shot   Inductor with ``_collective.auto_select`` and symmetric memory enabled
+                        for the group: PyTorch's own one-shot lowering (all_reduces up to
+                        128 KiB; CUDA + NCCL only)
     hand-merged         the engines' hand-merged model code under plain torch.compile
     fxcoalesce          torch.compile through fxcoalesce.backend()
+    no-comm             Inductor with every all_reduce replaced by a local scale (x * world
+                        size): WRONG RESULTS BY DESIGN, the floor (what the step costs if
+                        communication were free); never a default, never a reference
 
 Every compiled variant calls the step through a function whose code object is its own
 (:func:`own_code`): dynamo keeps compiled code on code objects, and two variants of one model
 would otherwise share it (DESIGN.md: "two instances of one model class compiled one after
-the other share dynamo's compiled code"). Torch is imported where needed: the CLI checks
-variant names before importing it.
+the other share dynamo's compiled code"). The variants whose difference is an Inductor
+setting also keep Inductor's caches from serving one's graph to another: no-comm's pass has
+a uuid of its own (it is in the cache key), inductor-one-shot compiles with the FX graph
+cache off (torch 2.11 may leave private settings such as ``_collective.auto_select`` out of
+the key). Torch is imported where needed: the CLI checks variant names before importing it.
 """
 
 from __future__ import annotations
@@ -18,7 +27,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 
-VARIANTS = ("eager", "inductor", "inductor-bucketing", "hand-merged", "fxcoalesce")
+VARIANTS = ("eager", "inductor", "inductor-bucketing", "inductor-one-shot", "hand-merged",
+            "fxcoalesce", "no-comm")
+DEFAULT_VARIANTS = tuple(v for v in VARIANTS if v != "no-comm")
+WRONG_BY_DESIGN = ("no-comm",)
+"""Variants whose results are wrong on purpose: flagged in every output, never a reference."""
+FLOOR = "no-comm"
+"""The variant every other's ``exposed_comm_ms`` is measured from."""
 
 
 def parse_variants(text: str) -> tuple[str, ...]:
@@ -100,10 +115,89 @@ def bucketing_options(device: str, cudagraphs: bool) -> list[dict]:
     return [{k: v for k, v in t.items() if k in known} for t in tiers]
 
 
+def unavailable(name: str, device: str, backend: str) -> str | None:
+    """Why variant ``name`` cannot run on this setup (a skip note), None when it can."""
+    if name != "inductor-one-shot":
+        return None
+    import torch
+
+    if device != "cuda" or backend != "nccl":
+        return (f"PyTorch's one-shot lowering needs symmetric memory: CUDA ranks of an NCCL "
+                f"group, not {backend} on {device}")
+    if "_collective.auto_select" not in torch._inductor.config.get_config_copy():
+        return f"torch {torch.__version__} has no _collective.auto_select"
+    return None
+
+
+def one_shot_options(cudagraphs: bool) -> dict:
+    """Inductor options of ``inductor-one-shot``: auto_select, no FX graph cache (nor, with
+    it, AOTAutograd's), CUDA graphs as ``mode="reduce-overhead"`` sets them."""
+    options = {"_collective.auto_select": True, "fx_graph_cache": False}
+    if cudagraphs:
+        options["triton.cudagraphs"] = True
+    return options
+
+
+class NoComm:
+    """An Inductor ``post_grad_custom_pre_pass``: ``wait_tensor(all_reduce(x, op, group))``
+    becomes ``x * world`` (sum; ``x`` for avg, max, min), so the step runs its compute with
+    no all_reduce at all. Other collectives (the output head's all_gather) stay."""
+
+    def __init__(self, world: int):
+        self.world = world
+
+    def __call__(self, graph) -> None:
+        import torch
+
+        c10d = torch.ops._c10d_functional
+        for ar in [n for n in graph.nodes if n.op == "call_function"
+                   and n.target is c10d.all_reduce.default]:
+            x, op = ar.args[0], ar.args[1]
+            with graph.inserting_after(ar):
+                local = (graph.call_function(torch.ops.aten.mul.Tensor, (x, self.world))
+                         if op == "sum" else x)
+            if local is not x:
+                local.meta.update(ar.meta)
+            for user in list(ar.users):
+                if user.op == "call_function" and user.target is c10d.wait_tensor.default:
+                    user.replace_all_uses_with(local)
+                    graph.erase_node(user)
+            ar.replace_all_uses_with(local)
+            graph.erase_node(ar)
+
+    def uuid(self) -> str:
+        import hashlib
+        import inspect
+
+        return hashlib.sha256(f"{inspect.getsource(NoComm)}{self.world}".encode()).hexdigest()
+
+
+def no_comm_options(world: int, cudagraphs: bool) -> dict:
+    options = {"post_grad_custom_pre_pass": _custom_pass(NoComm(world))}
+    if cudagraphs:
+        options["triton.cudagraphs"] = True
+    return options
+
+
+def _custom_pass(p: NoComm):
+    """``p`` as Inductor's ``CustomGraphPass`` (its ``uuid()`` goes into the cache key)."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class _Pass(CustomGraphPass):
+        def __call__(self, graph) -> None:
+            p(graph)
+
+        def uuid(self) -> str:
+            return p.uuid()
+
+    return _Pass()
+
+
 def compile_variant(name: str, fn, label: str, *, cudagraphs: bool,
-                    options: dict | None = None, on_graph=None):
+                    options: dict | None = None, on_graph=None, world: int = 1):
     """The callable of compiled variant ``name`` for step ``fn`` (eager returns ``fn``).
-    ``options`` are inductor-bucketing's; ``on_graph`` receives fxcoalesce's reports."""
+    ``options`` are inductor-bucketing's; ``on_graph`` receives fxcoalesce's reports;
+    ``world`` is no-comm's scale."""
     import torch
 
     if name == "eager":
@@ -115,6 +209,10 @@ def compile_variant(name: str, fn, label: str, *, cudagraphs: bool,
         return torch.compile(step, mode=mode, **common)
     if name == "inductor-bucketing":
         return torch.compile(step, options=options, **common)
+    if name == "inductor-one-shot":
+        return torch.compile(step, options=one_shot_options(cudagraphs), **common)
+    if name == "no-comm":
+        return torch.compile(step, options=no_comm_options(world, cudagraphs), **common)
     if name == "fxcoalesce":
         from fxcoalesce.compiler import backend
 
