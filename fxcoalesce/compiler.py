@@ -23,7 +23,7 @@ from .collectives import find_comm_blocks, issue_sequence
 from .compile_cache import source_fingerprint, source_files  # noqa: F401 (re-exported)
 from .config import Config
 from .graph_compile import GraphCompile
-from .lowering import symm_problem
+from .lowering import lowered_bytes, symm_problem
 from .pipeline import next_graph_name, run_pipeline
 from .report import record
 
@@ -174,7 +174,8 @@ class FxCoalescePass(CustomGraphPass):
                 (new, report), agreement = agree(name, cfg, build, check_ranks=self.check_ranks)
             else:
                 (new, report), agreement = build(cfg)[0], Agreement()
-            problem = symm_problem(issue_sequence(new.graph)) if cfg.lower else None
+            problem = (symm_problem(issue_sequence(new.graph), lowered_bytes([report]))
+                       if cfg.lower else None)
             if problem is None:
                 break
             notes.append(f"symmetric memory cannot be used ({problem}); every rank keeps its "

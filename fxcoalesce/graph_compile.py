@@ -22,7 +22,7 @@ from . import compile_cache
 from .agreement import Agreement, agree, must_compare
 from .collectives import find_comm_blocks, issue_sequence, program_sequence
 from .config import Config
-from .lowering import symm_problem
+from .lowering import lowered_bytes, symm_problem
 from .pipeline import run_pipeline
 from .rank_check import CollectiveMismatchError, Sequence, has_peers
 from .report import Report, record
@@ -73,7 +73,8 @@ class GraphCompile:
                 chosen, agreement = self._agree(cfg, check_ranks)
             except CollectiveMismatchError as e:  # raised at the call, as the user's own code
                 return _raiser(e)                 # would, not inside Dynamo's compile
-            problem = symm_problem(chosen.sequence) if cfg.lower else None
+            problem = (symm_problem(chosen.sequence, lowered_bytes(chosen.reports))
+                       if cfg.lower else None)
             if problem is None:
                 break
             notes.append(f"symmetric memory cannot be used ({problem}); every rank keeps its "

@@ -133,10 +133,11 @@ def symm_groups(sequence) -> list[str]:
     return sorted({g for g, d in sequence if g is not None and d.split("(")[0] in names})
 
 
-def symm_problem(sequence) -> str | None:
+def symm_problem(sequence, nbytes: int = 0) -> str | None:
     """Test symmetric memory for real on every group ``sequence`` runs it on (a collective
-    check, the same on every rank: ranks agreed on ``sequence``); why it cannot be used, or
-    None. Fake groups (tracing) are not tested."""
+    check, the same on every rank: ranks agreed on ``sequence``) and prepare it for
+    all_reduces of up to ``nbytes`` (``kernels.symm.prepare``: nothing is allocated later,
+    under CUDA graphs); why it cannot be used, or None. Fake groups (tracing) are skipped."""
     import torch.distributed as dist
 
     from .rank_check import _resolve
@@ -154,4 +155,13 @@ def symm_problem(sequence) -> str | None:
         ok, why = symm_mem_ready(name)
         if not ok:
             return f"group {name}: {why}"
+        from fxcoalesce.kernels.symm import prepare
+
+        prepare(name, torch.device("cuda", torch.cuda.current_device()), nbytes)
     return None
+
+
+def lowered_bytes(reports) -> int:
+    """The largest all_reduce the reports ran with a symmetric-memory implementation."""
+    return max((d.get("bytes", 0) for r in reports for d in r.decisions
+                if d.get("chose") in (*SYMM_IMPLS, "fused")), default=0)

@@ -286,3 +286,17 @@ def get_workspace(group_name: str, device: torch.device, nbytes: int) -> Workspa
         _RETIRED.append(ws)
     _WORKSPACES[key] = Workspace(tensor, handle, size, max_blocks)
     return _WORKSPACES[key]
+
+
+def prepare(group_name: str, device: torch.device, nbytes: int) -> None:
+    """Before a compiled graph first runs: size the workspace for its largest symmetric-memory
+    all_reduce and run one copy-in one-shot, so that every allocation and rendezvous (the
+    workspace's and torch's own, with its pointer tables) happens here, outside any CUDA-graph
+    pool. Collective: every rank calls it for the same groups in the same order (they agreed
+    on the graph's collectives)."""
+    get_workspace(group_name, device, max(nbytes, 1))
+    stream = torch.cuda.Stream(device)
+    with torch.cuda.device(device), torch.cuda.stream(stream):
+        probe = torch.zeros(8, dtype=torch.bfloat16, device=device)
+        torch.ops.fxcoalesce.one_shot_all_reduce(probe, group_name)
+    stream.synchronize()
