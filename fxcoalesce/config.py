@@ -265,6 +265,9 @@ class Config:
     in the backend). Costs one small all_gather per group, once per graph."""
     cost: CostModel = field(default_factory=CostModel)
     """Cost model used for the report's predicted communication time."""
+    dump_passes: bool = False
+    """With ``dump_dir``: also write the graph after each pass that changed it
+    (``after_<pass>.txt``), to see which pass did what."""
     lower: bool = True
     """Let ``fuse_norm`` and ``lower`` run all_reduces with the implementations a calibrated
     profile predicts faster (symmetric-memory one-shot / two-shot, the fused all_reduce + add
@@ -280,7 +283,7 @@ class Config:
                 raise TypeError(f"{name} must be a tuple (or list) of pass names, e.g. "
                                 f"('bucket',), not {names!r}")
             object.__setattr__(self, name, tuple(names))  # a list is taken, kept as a tuple
-        for name in ("reassociate", "strict", "slack_aware", "check_ranks", "lower"):
+        for name in ("reassociate", "strict", "slack_aware", "check_ranks", "lower", "dump_passes"):
             if not isinstance(value := getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, not {value!r}")
         cap = self.bucket_cap_mb

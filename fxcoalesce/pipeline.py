@@ -82,23 +82,21 @@ def _run_pipeline(gm: GraphModule, cfg: Config, *, name: str | None, record_repo
     for i, n in enumerate(n for n in work.graph.nodes if is_collective(n)):
         n.meta[ORIGIN] = f"#{i}"  # the program's own place: what ranks compare (meta.ORIGIN)
     timings, buckets, decisions, warnings = [], [], [], []
-    fell_back = False
+    fell_back, pass_name = False, None
     try:
         for pass_name in cfg.enabled_passes:
-            t = time.perf_counter()
-            result = PASSES[pass_name](work, cfg=cfg)
-            timings.append({"name": pass_name, "ms": round((time.perf_counter() - t) * 1e3, 3),
-                            "changed": result.changed})
+            result = _run_pass(pass_name, PASSES[pass_name], work, cfg, name, timings)
             buckets += [asdict(b) for b in result.buckets]
             decisions += [{"pass": pass_name, **d} for d in result.decisions]
             warnings += [f"{pass_name}: {w}" for w in result.warnings]
-        work.graph.lint()
+        pass_name = None
         work.recompile()
     except Exception as e:
         if cfg.strict:
             raise
-        log.warning("fxcoalesce[%s]: pass failed, using the unmodified graph: %r", name, e)
-        warnings.append(f"fell back to the unmodified graph: {type(e).__name__}: {e}")
+        where = f"pass {pass_name!r} failed" if pass_name else "recompiling failed"
+        log.warning("fxcoalesce[%s]: %s, using the unmodified graph: %r", name, where, e)
+        warnings.append(f"{where}; fell back to the unmodified graph: {type(e).__name__}: {e}")
         work, buckets, decisions, fell_back = gm, [], [], True
     report = build_report(name, before, analyze(work), cost=cfg.cost, passes=timings,
                           buckets=buckets, decisions=decisions, warnings=warnings,
@@ -111,6 +109,23 @@ def _run_pipeline(gm: GraphModule, cfg: Config, *, name: str | None, record_repo
     if cfg.dump_dir:
         dump(cfg.dump_dir, name, gm, work, report)
     return work, report
+
+
+def _run_pass(pass_name: str, fn, work: GraphModule, cfg: Config, graph_name: str,
+              timings: list[dict]):
+    """One pass, the way every pass runs: timed, the graph linted after it (a pass that
+    breaks the graph is named, not the one after it), and with ``cfg.dump_passes`` its graph
+    written as ``after_<pass>.txt`` beside the graph's dump."""
+    t = time.perf_counter()
+    result = fn(work, cfg=cfg)
+    work.graph.lint()
+    timings.append({"name": pass_name, "ms": round((time.perf_counter() - t) * 1e3, 3),
+                    "changed": result.changed})
+    if cfg.dump_dir and cfg.dump_passes and result.changed:
+        work.recompile()
+        out = dump_directory(cfg.dump_dir, graph_name)
+        (out / f"after_{pass_name}.txt").write_text(graph_text(work))
+    return result
 
 
 def trace_artifacts(before: GraphModule, after: GraphModule, report: Report) -> None:
@@ -147,16 +162,23 @@ def graph_text(gm: GraphModule) -> str:
     return "".join(lines)
 
 
-def dump(directory: str, name: str, before: GraphModule, after: GraphModule,
-         report: Report, **extra) -> Path:
-    """Write ``before.txt``, ``after.txt`` and ``report.json`` into ``directory/<graph>``
-    (``directory/rank<R>/<graph>`` when a process group of several ranks is up, so that
-    ranks sharing a directory do not overwrite each other)."""
+def dump_directory(directory: str, name: str) -> Path:
+    """``directory/<graph>``, or ``directory/rank<R>/<graph>`` when a process group of several
+    ranks is up (ranks sharing a directory do not overwrite each other); made if missing."""
     out = Path(directory)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         out = out / f"rank{dist.get_rank()}"
     out = out / name.replace(" ", "_")
     out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def dump(directory: str, name: str, before: GraphModule, after: GraphModule,
+         report: Report, **extra) -> Path:
+    """Write ``before.txt``, ``after.txt`` and ``report.json`` into ``directory/<graph>``
+    (``directory/rank<R>/<graph>`` when a process group of several ranks is up, so that
+    ranks sharing a directory do not overwrite each other)."""
+    out = dump_directory(directory, name)
     (out / "before.txt").write_text(graph_text(before))
     (out / "after.txt").write_text(graph_text(after))
     (out / "report.json").write_text(report.to_json(**extra))

@@ -41,9 +41,36 @@ def test_failing_pass_falls_back(monkeypatch, caplog):
     assert out is gm and gm.code == code
     assert report.fell_back
     assert report.all_reduce["after"] == 4
-    # the report and the log both name the exception
-    assert any("RuntimeError: boom in bucket" in w for w in report.warnings)
-    assert any("boom in bucket" in r.getMessage() for r in caplog.records)
+    # the report and the log both name the pass and the exception
+    assert any("pass 'bucket' failed" in w and "RuntimeError: boom in bucket" in w
+               for w in report.warnings)
+    assert any("pass 'bucket' failed" in r.getMessage() and "boom in bucket" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_a_pass_that_breaks_the_graph_is_named(monkeypatch):
+    """The graph is linted after every pass, so the pass that broke it is named, not a later
+    one (here: a node whose input is defined after it)."""
+    def breaks(gm, *, cfg):
+        from fxcoalesce.passes import PassResult
+
+        first = next(n for n in gm.graph.nodes if n.op == "call_function")
+        gm.graph.output_node().prepend(first)  # moves it after its users
+        return PassResult(changed=True)
+
+    monkeypatch.setitem(PASSES, "linearity", breaks)
+    _, report = run_pipeline(diamond(), Config())
+    assert report.fell_back and any("pass 'linearity' failed" in w for w in report.warnings)
+
+
+def test_dump_dir_writes_each_changing_pass(tmp_path):
+    cfg = Config(strict=True, dump_dir=str(tmp_path), dump_passes=True)
+    _, report = run_pipeline(diamond(), cfg, name="graph d")
+    files = sorted(p.name for p in (tmp_path / "graph_d").iterdir())
+    # one file per pass that changed the graph (the diamond: linearity sums two of its four)
+    changed = [f"after_{p['name']}.txt" for p in report.passes if p["changed"]]
+    assert changed == ["after_linearity.txt"]
+    assert files == sorted(["after.txt", "before.txt", "report.json", *changed])
 
 
 def test_failing_pass_reraises_when_strict(monkeypatch):

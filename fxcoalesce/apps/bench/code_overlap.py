@@ -78,14 +78,3 @@ def collective_windows(code: str) -> list[Window]:
     for buf, (op, start) in open_.items():
         done.append(Window(op, buf, start, None, sum(k > start for k in kernels_at)))
     return sorted(done, key=lambda w: w.issue_line)
-
-
-def early_reads(code: str) -> list[str]:
-    """Kernel lines that read a collective's buffer before its wait (each a race)."""
-    lines = call_body(code)
-    return [lines[i].strip() for w in collective_windows(code) for i in w.early_reads]
-
-
-def overlapped_kernels(code: str, op_prefix: str = "all_reduce") -> int:
-    """Sum over the collectives whose op starts with ``op_prefix`` of the kernels they hide."""
-    return sum(w.kernels for w in collective_windows(code) if w.op.startswith(op_prefix))
