@@ -63,7 +63,7 @@ def decomposed_norm(b: GraphBuilder, s, w, eps=1e-5, style="nn", dim=-1):
 
 
 def block(form="residual", *, dtype=torch.bfloat16, device="cuda", op="sum", style="nn",
-          eps=1e-5, dim=-1, second_reader=False):
+          eps=1e-5, dim=-1, second_reader=False, residual_read=False):
     """x -> all_reduce -> (+ residual) -> RMSNorm -> mm, the sum also read by a later add
     (the next layer's residual stream), as in a pre-norm decoder."""
     b = GraphBuilder()
@@ -80,6 +80,8 @@ def block(form="residual", *, dtype=torch.bfloat16, device="cuda", op="sum", sty
         outs.append(b.add(s, x))
     if second_reader:
         outs.append(b.call(aten.neg.default, reduced))
+    if residual_read:  # the old residual read elsewhere too: the op changes no input
+        outs.append(b.call(aten.neg.default, h))
     return b.build(*outs)
 
 
@@ -110,6 +112,15 @@ def test_fused_where_the_profile_says_it_wins(fused_wins, form, style):
     (d,) = report.decisions
     assert d["chose"] == "fused" and d["predicted_us"]["fused"] == 4.0
     assert report.all_reduce["after"] == 1  # still one all_reduce launch
+
+
+def test_the_residual_read_elsewhere_still_fuses(fused_wins):
+    """Unlike an in-place fused add + norm (vLLM's), this op writes new tensors: another
+    reader of the old residual keeps reading it."""
+    out, _ = fuse(block(residual_read=True), fused_wins)
+    (f,) = calls(out, FUSED)
+    h = next(n for n in out.graph.find_nodes(op="placeholder") if n.name == "h")
+    assert f.args[1] is h and {u.target for u in h.users} == {FUSED, aten.neg.default}
 
 
 def test_consecutive_layers(fused_wins):
