@@ -1,7 +1,8 @@
 """World size 1 on one GPU (issue 15's one-H200 figures): every zoo model's step lowered and
 compiled with ``mode="reduce-overhead"``, against the same step unlowered.
 
-    python benchmarks/gpu_lower.py --out DIR [--models a,b] [--tokens 16]
+    python benchmarks/gpu_lower.py --out DIR [--models a,b] [--tokens 16] [--variants ...]
+        [--eager-ref a,b] [--two-graphs a --tokens2 3]
 
 An NCCL group of one rank keeps every all_reduce in the graph. Variants, each compiled behind
 a backend of its own (dynamo never shares their code): ``nccl`` (``Config(lower=False)``),
@@ -19,6 +20,7 @@ Results: ``DIR/gpu_lower.json``; a table on stdout.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -82,17 +84,20 @@ def median_ms(fn, args, calls: int = 20) -> float:
     return statistics.median(times)
 
 
-VARIANTS = ("nccl", "one_shot", "fused", "nccl_nocg", "one_shot_nocg")
+VARIANTS = ("nccl", "one_shot", "fused", "one_shot_zc", "nccl_nocg", "one_shot_nocg")
 """``_nocg``: without CUDA graphs, where Inductor places the one-shot's input in a P2P buffer
-itself (zero-copy); the others under ``mode="reduce-overhead"``."""
+itself (zero-copy); the others under ``mode="reduce-overhead"``. ``one_shot_zc``: the
+zero-copy one-shot forced under CUDA graphs too (symmetric memory prepared at compile time),
+to test whether torch's CUDA-graph trees replay it (``lowering.CUDAGRAPH_P2P``)."""
 
 
 def run_variant(fn, args, variant: str, profiles: dict) -> dict:
-    import fxcoalesce
     from torch._dynamo.utils import counters
     from torch._inductor.utils import run_and_get_code
 
-    base = variant.removesuffix("_nocg")
+    import fxcoalesce
+
+    base = variant.removesuffix("_nocg").removesuffix("_zc")
     cfg = {"nccl": fxcoalesce.Config(lower=False),
            "one_shot": fxcoalesce.Config(cost=fxcoalesce.CostModel.from_profile(
                profiles["one_shot"]), disable=("fuse_norm",)),
@@ -104,8 +109,18 @@ def run_variant(fn, args, variant: str, profiles: dict) -> dict:
     fxcoalesce.clear_reports()
     compiled = torch.compile(fn, backend=fxcoalesce.backend(cfg, mode=mode))
     t0 = time.perf_counter()
+    import fxcoalesce.passes.lower as lower_module
+
+    real = lower_module.under_cudagraphs
+    if variant == "one_shot_zc":  # the lower pass emits Inductor's zero-copy one-shot
+        lower_module.under_cudagraphs = lambda: False
+    try:  # the zero-copy code is not what a cache keyed on the Config would serve
+        with torch.no_grad(), (torch._inductor.config.patch(force_disable_caches=True)
+                               if variant == "one_shot_zc" else contextlib.nullcontext()):
+            out, codes = run_and_get_code(compiled, *args)
+    finally:
+        lower_module.under_cudagraphs = real
     with torch.no_grad():
-        out, codes = run_and_get_code(compiled, *args)
         for _ in range(3):  # CUDA-graph trees: warm-up, record, replay
             out = compiled(*args)
         torch.cuda.synchronize()
@@ -135,6 +150,8 @@ def check_code(code: str, rec: dict, base: dict, variant: str) -> list[str]:
         # under CUDA graphs the one-shot runs on a copy in the workspace (lowering.CUDAGRAPH_P2P)
         "one_shot": lambda: FileCheck().check("fxcoalesce.one_shot_all_reduce").run(code),
         # without: a P2P buffer is allocated, the producer writes into it, the one-shot reads it
+        "one_shot_zc": lambda: FileCheck().check("empty_strided_p2p(").check(
+            "symm_mem.one_shot_all_reduce").run(code),
         "one_shot_nocg": lambda: FileCheck().check("empty_strided_p2p(").check(
             "symm_mem.one_shot_all_reduce").run(code),
         # the fused all_reduce + add + RMSNorm is one call in the wrapper
@@ -151,6 +168,52 @@ def check_code(code: str, rec: dict, base: dict, variant: str) -> list[str]:
     return problems
 
 
+def diffs(out, ref) -> dict:
+    """How far ``out`` is from ``ref``: the largest difference, absolute and relative to the
+    largest value, and the share of rows (tokens) off by more than 5% of the largest value
+    (a routed expert chosen differently changes whole tokens, rounding changes all a little)."""
+    diff = (out.float() - ref.float()).abs()
+    scale = ref.float().abs().max()
+    rows = diff.reshape(-1, diff.shape[-1]).amax(dim=-1)
+    return {"max_abs_diff": float(diff.max()), "max_rel_diff": float(diff.max() / scale),
+            "rows_off_5pct": round(float((rows > 0.05 * scale).float().mean()), 4)}
+
+
+def two_graphs(name: str, tokens: tuple[int, int], group, profiles: dict) -> dict:
+    """Two graphs of one model (two token counts) lowered to Inductor's zero-copy one-shot in
+    one process, without CUDA graphs: first with ``lowering.distinct_p2p_ids`` switched off
+    (the control: torch's own alloc_ids collide), then with it; the second graph's output
+    against the unlowered graph's at the same token count."""
+    import fxcoalesce.passes.lower as lower_module
+
+    step, layers = MODELS[name]
+    (fn1, in1), (fn2, in2) = (step_of(name, step, layers, t, group) for t in tokens)
+    rec = {"tokens": list(tokens)}
+    real = lower_module.distinct_p2p_ids
+    lower_module.distinct_p2p_ids = lambda key: None
+    try:  # no cache: the seeded compile below must not be served the control's code
+        with torch._inductor.config.patch(force_disable_caches=True):
+            for t, fn, inputs in ((tokens[0], fn1, in1), (tokens[1], fn2, in2)):
+                try:
+                    run_variant(fn, inputs, "one_shot_nocg", profiles)
+                    rec[f"unseeded_t{t}"] = "ran"
+                except Exception as e:
+                    rec[f"unseeded_t{t}"] = f"{type(e).__name__}: {e}"[:300]
+    finally:
+        lower_module.distinct_p2p_ids = real
+    ref = run_variant(fn2, in2, "nccl_nocg", profiles)["out"]
+    for t, fn, inputs in ((tokens[0], fn1, in1), (tokens[1], fn2, in2)):
+        try:
+            r = run_variant(fn, inputs, "one_shot_nocg", profiles)
+            rec[f"seeded_t{t}"] = {"ran": True, "lowered": r["lowered"],
+                                   "p2p_buffers": r["p2p_buffers"]}
+            if fn is fn2:
+                rec[f"seeded_t{t}"].update(diffs(r["out"], ref))
+        except Exception as e:
+            rec[f"seeded_t{t}"] = f"{type(e).__name__}: {e}"[:300]
+    return rec
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True)
@@ -161,6 +224,13 @@ def main() -> int:
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--nocg-models", default="kimi-k2-tiny,llama-3-8b",
                     help="models also compiled without CUDA graphs (the zero-copy one-shot)")
+    ap.add_argument("--eager-ref", default="",
+                    help="models whose outputs are also compared with the eager step's "
+                    "(how far plain torch.compile itself moves them)")
+    ap.add_argument("--two-graphs", default="",
+                    help="models compiled at two token counts in one process, zero-copy "
+                    "one-shot without CUDA graphs (lowering.distinct_p2p_ids, and without)")
+    ap.add_argument("--tokens2", type=int, default=3)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("gpu_lower.py needs CUDA", file=sys.stderr)
@@ -182,6 +252,10 @@ def main() -> int:
         rec = results["models"][name] = {"step": step, "layers": layers}
         try:
             fn, inputs = step_of(name, step, layers, args.tokens, group)
+            eager = None
+            if name in args.eager_ref.split(","):
+                with torch.no_grad():
+                    eager = fn(*inputs).clone()
             base = {}
             nocg = name in args.nocg_models.split(",")
             wanted = [v for v in args.variants.split(",") if nocg or not v.endswith("_nocg")]
@@ -194,20 +268,28 @@ def main() -> int:
                     print(f"{name} {variant}: {rec[variant]['error']}", flush=True)
                     continue
                 out, code = r.pop("out"), r.pop("code")
+                if eager is not None:
+                    r["against_eager"] = diffs(out, eager)
                 ref = "nccl_nocg" if variant.endswith("_nocg") else "nccl"
                 if variant == ref:
                     base[ref] = (r, out)
                 elif ref in base:
                     b, base_out = base[ref]
-                    diff = (out.float() - base_out.float()).abs()
-                    r["max_abs_diff"] = float(diff.max())
-                    r["max_rel_diff"] = float(diff.max() / base_out.float().abs().max())
+                    r.update(diffs(out, base_out))
                     r["problems"] = check_code(code, r, b, variant)
                 rec[variant] = r
                 print(f"{name} {variant}: {json.dumps(r)}", flush=True)
         except Exception as e:
             rec["error"] = f"{type(e).__name__}: {e}"[:600]
             print(f"{name}: {rec['error']}", flush=True)
+        (args.out / "gpu_lower.json").write_text(json.dumps(results, indent=2))
+    for name in filter(None, args.two_graphs.split(",")):
+        try:
+            rec = results.setdefault("two_graphs", {})[name] = two_graphs(
+                name, (args.tokens, args.tokens2), group, profiles)
+        except Exception as e:
+            rec = results.setdefault("two_graphs", {})[name] = {"error": f"{type(e).__name__}: {e}"[:600]}
+        print(f"{name} two graphs: {json.dumps(rec)}", flush=True)
         (args.out / "gpu_lower.json").write_text(json.dumps(results, indent=2))
     print("| model | variant | lowered | ms | max abs diff | skips | problems |")
     print("|---|---|---|---|---|---|---|")

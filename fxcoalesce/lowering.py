@@ -21,6 +21,9 @@ implementation out; the reason goes into the report.
 
 from __future__ import annotations
 
+import hashlib
+import random
+
 import torch
 
 from .collectives import Key
@@ -85,6 +88,21 @@ def op_available(impl: str) -> str | None:
 CUDAGRAPH_P2P = ("under CUDA graphs, P2P buffers Inductor allocates inside the graph's pool are "
                  "flagged as leaked by CUDA-graph trees (torch 2.11, measured); the one-shot "
                  "runs on a copy in fxcoalesce's workspace instead, the two-shot not at all")
+
+
+def distinct_p2p_ids(key: str) -> None:
+    """Give the P2P buffers Inductor allocates in this compile ids no other graph draws.
+
+    Inductor (torch 2.11-2.13) names each symmetric-memory buffer it allocates with Python's
+    ``random`` at code generation (``empty_strided_p2p(..., alloc_id=random.randint(0, 2**64
+    - 1))``), and dynamo puts Python's random state back after every compile: each graph
+    draws the same ids, so the first call of a second graph whose buffer differs in size
+    fails (``empty_strided_p2p_persistent: requested allocation size (131072) is different
+    from the size of a previous allocation with the same alloc_id``; measured on one H200,
+    torch 2.11, llama-3-8b verify compiled after kimi-k2-tiny's). Seeding from ``key`` (the
+    graph's content) gives distinct graphs distinct ids and one graph the same ids on every
+    compile; dynamo restores the caller's random state when the compile ends."""
+    random.seed(int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big"))
 
 
 def under_cudagraphs() -> bool:

@@ -9,7 +9,8 @@ CPU, gloo, fp16, avg, world size 3, no curve in the profile, a size past the cal
 ones...). Values are the same sums, in another order. The new op takes the collective's place
 in the issue order and names the program's collective and the profile in its description,
 so ranks compare both. Inductor realises the input in symmetric memory: the producing kernel
-writes straight into a P2P buffer.
+writes straight into a P2P buffer (whose id the pass makes this graph's own:
+``lowering.distinct_p2p_ids``); under CUDA graphs the one-shot runs on a copy instead.
 
     before                                        after
     %ar = all_reduce(%x, "sum", "0")              %y = symm_mem.one_shot_all_reduce(%x, "sum", "0")
@@ -22,11 +23,11 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule
 
+import fxcoalesce.kernels  # noqa: F401  (registers fxcoalesce::one_shot_all_reduce)
 from fxcoalesce.analysis import analyze
 from fxcoalesce.config import Config
-import fxcoalesce.kernels  # noqa: F401  (registers fxcoalesce::one_shot_all_reduce)
 from fxcoalesce.kernels.fakes import ensure_symm_mem_fakes
-from fxcoalesce.lowering import CUDAGRAPH_P2P, profile_tag, under_cudagraphs
+from fxcoalesce.lowering import CUDAGRAPH_P2P, distinct_p2p_ids, profile_tag, under_cudagraphs
 from fxcoalesce.meta import (ORIGIN, REPLACES, fake_mode_of, origin, propagate_val, replaced,
                              tensor_val)
 
@@ -85,4 +86,14 @@ def lower_pass(gm: GraphModule, *, cfg: Config) -> PassResult:
                                      level=info.level, key=str(b.key), collective=new.name,
                                      kind=chosen))
     result.changed = bool(result.buckets)
+    if any(b.kind in ("one_shot", "two_shot") for b in result.buckets) and not under_cudagraphs():
+        distinct_p2p_ids(graph_key(gm))  # Inductor allocates P2P buffers for these
     return result
+
+
+def graph_key(gm: GraphModule) -> str:
+    """The graph's code and its inputs' shapes, dtypes and strides: what sizes its buffers."""
+    inputs = [(n.name, tuple(v.shape), str(v.dtype), tuple(v.stride()))
+              for n in gm.graph.find_nodes(op="placeholder")
+              if isinstance(v := n.meta.get("val"), torch.Tensor)]
+    return gm.code + repr(inputs)

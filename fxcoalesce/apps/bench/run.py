@@ -297,6 +297,10 @@ def _compile_all(r: _Rank, fns: dict, args: tuple, tokens: int):
             r.say(f"  {what} {name} ({i}/{len(opt.variants)}) ...")
             dist.barrier()
             graphs, skips = _graphs_made(), _cudagraph_skips()
+            if name == "inductor-one-shot":  # its P2P buffers: ids of this graph's own
+                from fxcoalesce.lowering import distinct_p2p_ids
+
+                distinct_p2p_ids(f"inductor-one-shot {opt.model} tokens={tokens} try={k}")
             start, error = time.perf_counter(), None
             try:
                 r.call(fn, args)
