@@ -11,7 +11,8 @@ sequence, the same on every rank), the ranks compare at compile time, and take t
 step of :func:`ladder` on which every rank issues one sequence:
 
     1. as configured
-    2. without the choices that read compute (no cost-model choices, no slice, no linearity)
+    2. without the choices that read compute (no cost-model choices, no slice, linearity
+       or fuse_norm)
     3. the program's own collective sequence (only sequence-preserving passes: schedule)
 
 Every rank sees the same gathered sequences, so all take the same step. If even step 3

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from torch.fx import Graph, Node
+from torch.fx import Graph, GraphModule, Node
 
 from .meta import ORIGIN, SLICED, hinted_numel, numel, storage_of, tensor_val, tensor_vals
 
@@ -347,3 +347,10 @@ def program_sequence(graph: Graph) -> list[tuple[str | None, str]]:
     by its own place as the pipeline names it (``meta.ORIGIN``): equal to the rewritten
     graph's sequence exactly when the passes kept the program's collectives and order."""
     return [(g, f"{d} <- #{i}") for i, (g, d) in enumerate(issue_sequence(graph))]
+
+
+def sequence_after(before: GraphModule, after: GraphModule, report) -> list[tuple[str | None, str]]:
+    """What ranks compare of the pipeline's output: its :func:`issue_sequence`; where the
+    pipeline fell back to the graph it was given (whose collectives carry no ``meta.ORIGIN``),
+    the program's own sequence, named as every other rank's unrewritten collectives are."""
+    return program_sequence(before.graph) if report.fell_back else issue_sequence(after.graph)

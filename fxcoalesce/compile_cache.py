@@ -38,10 +38,11 @@ VERSION = 1
 
 
 def source_files() -> list[Path]:
-    """The files whose text defines what the passes do (core and passes)."""
+    """The files whose text defines what the passes do (core, passes, and the kernels whose
+    schemas and fake implementations the rewritten graphs are compiled against)."""
     import fxcoalesce.passes as passes
 
-    roots = [Path(__file__).parent, Path(passes.__file__).parent]
+    roots = [Path(__file__).parent, Path(passes.__file__).parent, Path(__file__).parent / "kernels"]
     return sorted(p for root in roots for p in root.glob("*.py"))
 
 
@@ -82,8 +83,13 @@ def group_setup_key() -> str:
 
 
 def compile_key(fingerprint: str, config_repr: str, patches: dict) -> str:
-    """What every compile of the backend with this configuration shares."""
-    text = "|".join([fingerprint, config_repr, group_setup_key(), _describe_patches(patches)])
+    """What every compile of the backend with this configuration shares: the passes' source,
+    the Config, the group setup, the Inductor patches, and whether Inductor's global config
+    asks for CUDA graphs (the lowering rewrites differently then)."""
+    from .lowering import under_cudagraphs
+
+    text = "|".join([fingerprint, config_repr, group_setup_key(), _describe_patches(patches),
+                     f"cudagraphs={under_cudagraphs()}"])
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 

@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import copy
-import hashlib
 import logging
 import os
 from collections.abc import Callable
@@ -19,8 +18,8 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.fx import Graph
 
 from .agreement import Agreement, agree, must_compare
-from .collectives import find_comm_blocks, issue_sequence
-from .compile_cache import source_fingerprint, source_files  # noqa: F401 (re-exported)
+from .collectives import find_comm_blocks, issue_sequence, sequence_after
+from .compile_cache import compile_key, source_fingerprint, source_files  # noqa: F401 (re-exported)
 from .config import Config
 from .graph_compile import GraphCompile
 from .lowering import lowered_bytes, symm_problem
@@ -165,7 +164,7 @@ class FxCoalescePass(CustomGraphPass):
 
         def build(config: Config):
             new, report = run_pipeline(gm, config, name=name, record=False)
-            return (new, report), issue_sequence(new.graph)
+            return (new, report), sequence_after(gm, new, report)
 
         cfg, notes = self.config, []
         while True:
@@ -190,7 +189,7 @@ class FxCoalescePass(CustomGraphPass):
     def uuid(self) -> str | None:
         if _real_peers():
             return None
-        return hashlib.sha256(f"{source_fingerprint()}|{self.config!r}".encode()).hexdigest()
+        return compile_key(source_fingerprint(), repr(self.config), {})
 
 
 def _real_peers() -> bool:

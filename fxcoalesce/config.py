@@ -256,13 +256,15 @@ class Config:
     """Let the cost model decide, per group of independent all_reduces, whether to merge them
     or issue them separately behind compute (each bucket's choice and the predicted
     alternative are in the report). The estimates read this rank's compute, which can differ
-    between ranks, so the backend agrees on the resulting collectives at the first call and
-    falls back to merging every group if ranks disagree. ``False``: always merge."""
+    between ranks, so the ranks compare the resulting collectives at compile time and, if
+    they differ, take the ladder's next step (``agreement``: no choice that reads compute,
+    then the program's own order). ``False``: always merge."""
     check_ranks: bool = False
-    """On the first run of each compiled graph, compare the sequence of collectives it issues
-    across the ranks of each group it uses, and raise naming the first difference before any
-    data collective runs (the ``FXCOALESCE_CHECK_RANKS=1`` environment variable turns it on
-    in the backend). Costs one small all_gather per group, once per graph."""
+    """When each graph compiles, compare the sequence of collectives it will issue across the
+    ranks of each group it uses, and raise naming the first difference at its first call,
+    before any data collective runs (the ``FXCOALESCE_CHECK_RANKS=1`` environment variable
+    turns it on in the backend). Costs a digest all_gather per group (the texts only on a
+    mismatch), once per compile."""
     cost: CostModel = field(default_factory=CostModel)
     """Cost model used for the report's predicted communication time."""
     dump_passes: bool = False

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 
 from . import compile_cache
 from .agreement import Agreement, agree, must_compare
-from .collectives import find_comm_blocks, issue_sequence, program_sequence
+from .collectives import find_comm_blocks, program_sequence, sequence_after
 from .config import Config
 from .lowering import lowered_bytes, symm_problem
 from .pipeline import run_pipeline
@@ -120,7 +120,7 @@ class GraphCompile:
             now = program_order(config) if self.closed else config
             new, report = run_pipeline(graph_module, now, name=self.name, record=self.closed)
             built.program += program_sequence(graph_module.graph)
-            built.sequence += issue_sequence(new.graph)
+            built.sequence += sequence_after(graph_module, new, report)
             built.all_reduces += find_comm_blocks(graph_module.graph).all_reduce_count
             built.reports.append(report)
             if self.on_graph is not None:

@@ -54,6 +54,8 @@ def symm_unusable(key: Key, world: int | None, backend: str | None, cfg: Config)
         return "the eager codegen cannot place inputs in symmetric memory"
     if not key.device.startswith("cuda"):
         return f"tensors on {key.device}: symmetric memory needs CUDA"
+    if key.group is None or key.group.startswith("<"):  # collectives.group_identity
+        return "a group the graph computes: the symmetric-memory ops take a group's name"
     if backend != "nccl":
         return f"a {backend or 'unknown'} group: symmetric memory needs an NCCL group"
     if key.op != "sum":
@@ -101,8 +103,12 @@ def distinct_p2p_ids(key: str) -> None:
     from the size of a previous allocation with the same alloc_id``; measured on one H200,
     torch 2.11, llama-3-8b verify compiled after kimi-k2-tiny's). Seeding from ``key`` (the
     graph's content) gives distinct graphs distinct ids and one graph the same ids on every
-    compile; dynamo restores the caller's random state when the compile ends."""
-    random.seed(int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big"))
+    compile; dynamo restores the caller's random state when the compile ends. Outside a
+    compile (the pipeline run on its own) no code is generated: nothing is seeded."""
+    from torch._guards import TracingContext
+
+    if TracingContext.try_get() is not None:
+        random.seed(int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big"))
 
 
 def under_cudagraphs() -> bool:
@@ -175,11 +181,14 @@ def symm_problem(sequence, nbytes: int = 0) -> str | None:
             return f"group {name}: {why}"
         from fxcoalesce.kernels.symm import prepare
 
-        prepare(name, torch.device("cuda", torch.cuda.current_device()), nbytes)
+        ok, why = prepare(name, torch.device("cuda", torch.cuda.current_device()), nbytes)
+        if not ok:
+            return f"group {name}: preparing symmetric memory failed: {why}"
     return None
 
 
 def lowered_bytes(reports) -> int:
-    """The largest all_reduce the reports ran with a symmetric-memory implementation."""
+    """The largest all_reduce the reports ran on fxcoalesce's workspace: the fused op's and
+    the copy-in one-shot's (``variant``); Inductor places the others' inputs itself."""
     return max((d.get("bytes", 0) for r in reports for d in r.decisions
-                if d.get("chose") in (*SYMM_IMPLS, "fused")), default=0)
+                if d.get("chose") == "fused" or "variant" in d), default=0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 from torch._guards import detect_fake_mode
@@ -43,6 +44,11 @@ def replaced(collectives) -> list[str]:
 
 UNHINTED_SIZE = 4096
 """Stand-in for a data-dependent size with no hint (size estimates only)."""
+
+
+def is_scalar(x) -> bool:
+    """A Python number argument (a bool is not one: it selects, it does not scale)."""
+    return isinstance(x, numbers.Number) and not isinstance(x, bool)
 
 
 def tensor_vals(node: object) -> list[torch.Tensor]:

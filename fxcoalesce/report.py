@@ -39,8 +39,8 @@ class Report:
     fell_back: bool = False
     verdict: str = ""
     agreement: dict = field(default_factory=dict)
-    """How the ranks agreed on this graph's collectives (``agreement.Agreement``); empty when
-    they did not need to compare."""
+    """How the ranks agreed on this graph's collectives (``agreement.Agreement.as_dict``: its
+    fields say whether they compared and which ladder step they took)."""
     cache: str = ""
     """"" when this process ran the passes; "hit" when Inductor's AOTAutograd cache served the
     compiled graph and this report is the one saved beside it when it was compiled."""

@@ -10,7 +10,8 @@ A merged collective starts when its last member's input is ready and must finish
 first member's consumer, so merging can expose a collective that separately would have been
 hidden. With the ``lower`` pass on, T is the best implementation's for each size
 (``fxcoalesce.lowering``: two 256 KB one-shots may beat one 512 KB NCCL call), and the same
-predictions choose each remaining all_reduce's implementation (:meth:`Decider.lower`). Merging is the default: another choice must save more than ``MIN_SAVING_US`` and
+predictions choose each remaining all_reduce's implementation (:meth:`Decider.lower`).
+Merging is the default: another choice must save more than ``MIN_SAVING_US`` and
 ``MIN_SAVING_SHARE`` of the merged prediction (estimates are rough; near-ties keep the
 fewer launches, and fewer bytes for sums).
 

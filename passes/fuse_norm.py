@@ -29,7 +29,6 @@ so ranks compare the result (``agreement``: a different eps shows in the descrip
 
 from __future__ import annotations
 
-import numbers
 import operator
 from dataclasses import dataclass
 
@@ -42,8 +41,8 @@ from fxcoalesce.config import Config
 from fxcoalesce.cost import Roofline, graph_device, node_us
 from fxcoalesce.graph_order import reorder
 from fxcoalesce.lowering import FUSED, profile_tag
-from fxcoalesce.meta import (ORIGIN, REPLACES, fake_mode_of, origin, propagate_val, replaced,
-                             tensor_val)
+from fxcoalesce.meta import (ORIGIN, REPLACES, fake_mode_of, is_scalar, origin, propagate_val,
+                             replaced, tensor_val)
 
 from .decide import MIN_SAVING_SHARE, MIN_SAVING_US, Decider
 from .result import Bucket, PassResult
@@ -68,10 +67,6 @@ def _only_user(n: Node) -> Node | None:
 
 def _is(n: Node | None, *targets) -> bool:
     return n is not None and n.op == "call_function" and n.target in targets
-
-
-def _scalar(x) -> bool:
-    return isinstance(x, numbers.Number) and not isinstance(x, bool)
 
 
 def _other(n: Node, known: Node):
@@ -102,9 +97,10 @@ def match_norm(source: Node) -> Norm | None:
 
 def _direct(n: Node, source: Node, val) -> Norm | None:
     shape, weight, eps = (list(n.args[1:]) + [None, None])[:3]
-    if n.kwargs or list(shape) != [val.shape[-1]] or not (eps is None or _scalar(eps)):
+    if n.kwargs or list(shape) != [val.shape[-1]] or not (eps is None or is_scalar(eps)):
         return None
-    eps = 1e-6 if eps is None else eps  # aten's default for a None eps is the dtype's eps
+    if eps is None:  # aten's decomposition: float32's eps (the kernel computes in float32)
+        eps = torch.finfo(torch.float32).eps
     if n.target is aten._fused_rms_norm.default:  # (out, rstd): only the output is read
         outs = list(n.users)
         if len(outs) != 1 or not _is(outs[0], operator.getitem) or outs[0].args[1] != 0:
@@ -121,7 +117,7 @@ def _decomposed(source: Node, c: Node, val) -> Norm | None:
             and (mean.args[2:3] == (True,) or mean.kwargs.get("keepdim"))):
         return None
     add = _only_user(mean)
-    if not (_is(add, aten.add.Scalar, aten.add.Tensor) and _scalar(add.args[1])):
+    if not (_is(add, aten.add.Scalar, aten.add.Tensor) and is_scalar(add.args[1])):
         return None
     rs = _only_user(add)
     y = _only_user(rs) if _is(rs, aten.rsqrt.default) else None
@@ -247,7 +243,7 @@ def rewrite(graph, site: Site, mode, cfg: Config) -> list[Node]:
     op = torch.ops.fxcoalesce.all_reduce_add_rms_norm.default
     with graph.inserting_before(norm.out):
         fused = graph.call_function(op, (b.input, residual, norm.weight, norm.eps,
-                                         b.key.group))
+                                         b.group))
         propagate_val(fused, mode)
         normed = graph.call_function(operator.getitem, (fused, 0))
         residual = graph.call_function(operator.getitem, (fused, 1))

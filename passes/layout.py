@@ -12,7 +12,8 @@ arguments are on the other ranks (which one rank's graph cannot see):
 
 Index maps that reorder or select (``permute``, ``transpose``, ``slice``, ``select``) commute
 only when every rank passes the same arguments; they are not seen through (the slice pass
-reduces a selection and has its arguments compared across ranks at the first call).
+reduces a selection and has its arguments compared across ranks when the graph compiles:
+``agreement``).
 
     %w = wait(all_reduce(%p))        layout_chain(%w, order).ops == [%c, %v]
     %c = copy(%p, %w)                replay(emit, %q, chain) == reshape(%q, [1, 6, 64])

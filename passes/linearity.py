@@ -27,7 +27,6 @@ place of the first one it replaces (rank-invariant, see ``graph_order``).
 
 from __future__ import annotations
 
-import numbers
 
 import torch
 from torch.fx import GraphModule, Node
@@ -36,9 +35,8 @@ from fxcoalesce.analysis import analyze
 from fxcoalesce.collectives import ALL_REDUCE, WAIT, CommBlock
 from fxcoalesce.config import Config
 from fxcoalesce.graph_order import reorder
-from fxcoalesce.meta import (ORIGIN, REPLACES, fake_mode_of, hinted_nbytes, origin, replaced,
-                             same_shape,
-                             tensor_val)
+from fxcoalesce.meta import (ORIGIN, REPLACES, fake_mode_of, hinted_nbytes, is_scalar, origin,
+                             replaced, same_shape, tensor_val)
 
 from .decide import Decider
 from .emit import Emitter, place
@@ -48,10 +46,6 @@ from .result import Bucket, PassResult
 aten = torch.ops.aten
 LINEAR_OPS = (aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor)
 LINEAR_REDUCTIONS = ("sum", "avg")
-
-
-def _scalar(x) -> bool:
-    return isinstance(x, numbers.Number) and not isinstance(x, bool)
 
 
 def _dtype(node) -> torch.dtype | None:
@@ -65,17 +59,17 @@ def _children(node: Node) -> list[tuple[object, float]] | None:
         return None
     a, b = node.args
     alpha = node.kwargs.get("alpha", 1)
-    if set(node.kwargs) - {"alpha"} or not _scalar(alpha):
+    if set(node.kwargs) - {"alpha"} or not is_scalar(alpha):
         return None
     if node.target is aten.add.Tensor and isinstance(a, Node) and isinstance(b, Node):
         return [(a, 1), (b, alpha)]
     if node.target is aten.sub.Tensor and isinstance(a, Node) and isinstance(b, Node):
         return [(a, 1), (b, -alpha)]
-    if node.target is aten.mul.Tensor and isinstance(a, Node) and _scalar(b):
+    if node.target is aten.mul.Tensor and isinstance(a, Node) and is_scalar(b):
         return [(a, b)]
-    if node.target is aten.mul.Tensor and _scalar(a) and isinstance(b, Node):
+    if node.target is aten.mul.Tensor and is_scalar(a) and isinstance(b, Node):
         return [(b, a)]
-    if node.target is aten.div.Tensor and isinstance(a, Node) and _scalar(b) and b != 0:
+    if node.target is aten.div.Tensor and isinstance(a, Node) and is_scalar(b) and b != 0:
         return [(a, 1 / b)]
     return None
 

@@ -48,15 +48,15 @@ def lower_pass(gm: GraphModule, *, cfg: Config) -> PassResult:
         if b.impl != "nccl":
             continue
         if b.inplace or b.copy_back is not None:
+            why = "an in-place all_reduce_ (or one copied back into its buffer) stays"
             result.decisions.append({"members": [b.collective.name], "chose": "nccl",
-                                     "ruled_out": {"all": "an in-place all_reduce_ stays"},
-                                     "local": False})
+                                     "ruled_out": {"all": why}, "local": False})
             continue
         chosen, record = decider.lower(info)
         result.decisions.append(record)
         if chosen == "nccl":
             continue
-        x, group = b.input, b.key.group
+        x, group = b.input, b.group  # a name (lowering.symm_unusable)
         with graph.inserting_before(b.collective):
             if chosen == "one_shot" and under_cudagraphs():  # on a copy (lowering.CUDAGRAPH_P2P)
                 new = graph.call_function(torch.ops.fxcoalesce.one_shot_all_reduce.default,
@@ -96,4 +96,4 @@ def graph_key(gm: GraphModule) -> str:
     inputs = [(n.name, tuple(v.shape), str(v.dtype), tuple(v.stride()))
               for n in gm.graph.find_nodes(op="placeholder")
               if isinstance(v := n.meta.get("val"), torch.Tensor)]
-    return gm.code + repr(inputs)
+    return str(gm.graph) + repr(inputs)

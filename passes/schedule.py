@@ -1,8 +1,9 @@
 """schedule: issue each all_reduce as early as its input allows, wait right before first use.
 
 Requires: a valid graph. Ensures: same nodes, same values; only the order changes, and
-side-effecting nodes keep their place. Collectives move up to just after their input; each wait moves down to just before its first
-consumer, so independent compute runs while the collective is in flight.
+side-effecting nodes keep their place. Collectives move up to just after their input; each
+wait moves down to just before its first consumer, so independent compute runs while the
+collective is in flight.
 
     before                          after
     %ar = all_reduce(%x)            %ar = all_reduce(%x)

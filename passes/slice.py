@@ -14,7 +14,7 @@ slice ratio. Last-token logits after a reduction are the typical case.
 
 A slice whose arguments differ between ranks (``AR(x).chunk(world)[rank]``) would make this
 wrong, and one rank's graph cannot tell. So the new collective records its slice, which
-becomes part of the issue sequence the backend compares across ranks at the first call
+becomes part of the issue sequence the backend compares across ranks at compile time
 (``rank_check``); on any difference every rank recompiles without this pass. Index tensors
 (``index``, ``gather``) are left alone: their values could differ between ranks unseen.
 """

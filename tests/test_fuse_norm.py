@@ -179,6 +179,14 @@ def test_eps_is_part_of_what_ranks_compare(fused_wins):
     assert seqs[0][0][1].startswith("all_reduce_add_rms_norm(1e-05, 0) -> bfloat16[1, 4, 64]")
 
 
+def test_a_norm_without_eps_fuses_with_atens_default(fused_wins):
+    """``nn.RMSNorm(dim)`` and ``F.rms_norm`` leave eps None: aten then uses float32's eps
+    (what the decomposition computes with for bf16 and fp32), and so does the fused op."""
+    out, _ = fuse(block("direct", eps=None), fused_wins)
+    (f,) = calls(out, FUSED)
+    assert torch.finfo(torch.float32).eps in f.args
+
+
 def identity_collectives(gm: GraphModule) -> GraphModule:
     """A runnable copy of ``gm`` whose all_reduces return their input (one rank's sum)."""
     graph = Graph()
@@ -191,13 +199,14 @@ def identity_collectives(gm: GraphModule) -> GraphModule:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("form", ["residual", "first-layer", "direct"])
-def test_arithmetic_matches_the_unfused_graph(form, dtype):
+@pytest.mark.parametrize("form, eps", [("residual", 1e-5), ("first-layer", 1e-5),
+                                       ("direct", 1e-5), ("direct", None)])
+def test_arithmetic_matches_the_unfused_graph(form, eps, dtype):
     """The rewrite on CPU (the choice bypassed), one process: the fused op's reference sums
     over no peers. fp32: equal to roundoff; bf16: the unfused graph rounds the sum and then
     the add, the op rounds once (kernels/ops.py bounds it); bf16's own tolerance covers it."""
     dist.destroy_process_group()
-    gm = block(form, dtype=dtype, device="cpu")
+    gm = block(form, dtype=dtype, device="cpu", eps=eps)
     analysis = analyze(gm)
     (site,) = find_sites(analysis)
     unfused = identity_collectives(gm)

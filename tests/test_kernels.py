@@ -542,6 +542,18 @@ def test_workspace_grows_collectively_and_never_during_capture(host_symm, monkey
     assert len(host_symm.allocs) == 2
 
 
+def test_prepare_votes_on_each_step(host_symm):
+    """A rank whose workspace allocation fails (out of memory) stops every rank before the
+    rendezvous it would never join: prepare returns the reason, the same on every rank, and
+    no workspace is registered (the lowering then keeps NCCL on every rank)."""
+    name, dev = dist.group.WORLD.group_name, torch.device("cuda", 0)
+    host_symm.fail_alloc = True
+    ok, why = symm.prepare(name, dev, 1000)
+    assert not ok and why.startswith("allocate: rank 0 of the group: RuntimeError: out of "
+                                     "symmetric memory")
+    assert symm._WORKSPACES == {} and host_symm.handles == []
+
+
 def _interpreted_cuda_path(queue):
     """Child process: the op's CUDA implementation end to end on CPU tensors, the kernel
     interpreted, symmetric memory the host stand-in (1 rank)."""

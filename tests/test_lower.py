@@ -129,6 +129,19 @@ def test_stays_nccl_without_a_curve_or_on_other_setups(tmp_path):
     assert "eager codegen" in d["ruled_out"]["one_shot"]
 
 
+def test_a_group_the_graph_computes_stays_nccl(tmp_path):
+    """``compile_on_one_rank``: the group is an FX node (an input here); the symmetric-memory
+    ops take a group's name, so the all_reduce stays NCCL, with the reason."""
+    b = GraphBuilder()
+    x = cuda_input(b, "x", (16, 4096))
+    group = b.graph.placeholder("pg")
+    group.meta["val"] = "0"  # what the fake kernels see of it
+    out, report = lowered(profile(tmp_path), b.build(b.add(b.all_reduce(x, group=group), x)))
+    (d,) = report.decisions
+    assert d["chose"] == "nccl" and "a group the graph computes" in d["ruled_out"]["one_shot"]
+    assert len(all_reduces(out)) == 1 and not calls(out, ONE_SHOT)
+
+
 def test_switched_off(tmp_path):
     for cfg in ({"lower": False}, {"disable": ("lower",)}):
         out, report = run_pipeline(one_reduction(), Config(strict=True, cost=profile(tmp_path),
@@ -226,18 +239,20 @@ def test_distinct_graphs_draw_distinct_p2p_buffer_ids(tmp_path):
     shapes, distinct ids; the same graph, the same ids."""
     import random
 
-    def next_id(shape):
+    def next_id(shape, cfg=None):
         random.seed(0)  # what every compile starts from, whatever the graph
-        lowered(profile(tmp_path), one_reduction(shape))
+        with torch._guards.tracing(torch._guards.TracingContext(None)):  # inside a compile
+            lowered(profile(tmp_path), one_reduction(shape), **(cfg or {}))
         return random.randint(0, 2**64 - 1)
 
     assert next_id((16, 4096)) == next_id((16, 4096))
     assert next_id((16, 4096)) != next_id((3, 4096))
     random.seed(0)
-    unlowered = random.randint(0, 2**64 - 1)
+    untouched = random.randint(0, 2**64 - 1)
+    assert next_id((16, 4096), {"lower": False}) == untouched  # nothing lowered
     random.seed(0)
-    lowered(profile(tmp_path), one_reduction((16, 4096)), lower=False)
-    assert random.randint(0, 2**64 - 1) == unlowered  # nothing lowered: random untouched
+    lowered(profile(tmp_path), one_reduction((16, 4096)))
+    assert random.randint(0, 2**64 - 1) == untouched  # outside a compile: nothing seeded
 
 
 def test_dynamo_restores_python_random_around_each_compile():
@@ -254,3 +269,15 @@ def test_dynamo_restores_python_random_around_each_compile():
     f = torch.compile(lambda x: x + 1, backend=backend, dynamic=False)
     f(torch.ones(2)), f(torch.ones(3))
     assert len(draws) == 2 and draws[0] == draws[1]
+
+
+def test_the_workspace_is_sized_for_what_runs_on_it(tmp_path):
+    """Only the copy-in one-shot (under CUDA graphs) and the fused op run on fxcoalesce's
+    workspace; a zero-copy one-shot's input is Inductor's own P2P buffer."""
+    from fxcoalesce.lowering import lowered_bytes
+
+    _, report = lowered(profile(tmp_path))
+    assert report.decisions[0]["chose"] == "one_shot" and lowered_bytes([report]) == 0
+    with torch._inductor.config.patch({"triton.cudagraphs": True}):
+        _, report = lowered(profile(tmp_path))
+    assert lowered_bytes([report]) == 16 * 4096 * 2

@@ -48,6 +48,20 @@ def test_failing_pass_falls_back(monkeypatch, caplog):
                for r in caplog.records)
 
 
+def test_a_rank_that_fell_back_compares_equal_to_one_that_kept_its_program(monkeypatch):
+    """Ranks compare what the pipeline left: a rank whose pass failed (the unmodified graph)
+    and a rank that ran no pass (the program, numbered) must describe the same sequence."""
+    from fxcoalesce.collectives import sequence_after
+
+    gm = diamond()
+    kept, kept_report = run_pipeline(gm, Config(passes=()))
+    monkeypatch.setitem(PASSES, "bucket", boom)
+    out, report = run_pipeline(gm, Config())
+    assert report.fell_back and not kept_report.fell_back
+    assert sequence_after(gm, out, report) == sequence_after(gm, kept, kept_report)
+    assert len(sequence_after(gm, out, report)) == 4
+
+
 def test_a_pass_that_breaks_the_graph_is_named(monkeypatch):
     """The graph is linted after every pass, so the pass that broke it is named, not a later
     one (here: a node whose input is defined after it)."""
@@ -141,6 +155,10 @@ def test_uuid_stable_and_config_sensitive():
     # any config change changes the key
     assert inductor_pass(Config(bucket_cap_mb=64)).uuid() != a.uuid()
     assert inductor_pass(Config(cost=CostModel(base_us=1.0))).uuid() != a.uuid()
+    # so does compiling for CUDA graphs (the lowering rewrites differently then)
+    plain = a.uuid()
+    with torch._inductor.config.patch({"triton.cudagraphs": True}):
+        assert inductor_pass(Config()).uuid() != plain
 
 
 def copy_sources(tmp: Path) -> list[Path]:
@@ -158,7 +176,7 @@ def test_uuid_changes_with_pass_source(tmp_path, monkeypatch):
     real = source_fingerprint()
     files = copy_sources(tmp_path)
     # the fingerprint covers the core and the passes, by name and text
-    assert {"analysis.py", "bucket.py", "schedule.py"} <= {p.name for p in files}
+    assert {"analysis.py", "bucket.py", "schedule.py", "one_shot.py"} <= {p.name for p in files}
     assert source_fingerprint(files) == real
     monkeypatch.setattr(compile_cache, "source_files", lambda: files)
     before = inductor_pass(Config()).uuid()

@@ -50,7 +50,6 @@ class DemoOptions:
 def demo_worker(rank: int, world: int, opt: DemoOptions) -> dict:
     from fxcoalesce import models
     from fxcoalesce.models import eagle3
-    from fxcoalesce.report import reports
 
     cuda = opt.device == "cuda"
     dev = torch.device(f"cuda:{rank % torch.cuda.device_count()}" if cuda else "cpu")

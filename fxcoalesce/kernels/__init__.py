@@ -2,7 +2,9 @@
 RMSNorm op over symmetric memory, the symmetric-memory workspace and readiness check it
 needs, and fake kernels for torch's own symm_mem ops where this torch lacks them.
 
-Importing this package registers ``torch.ops.fxcoalesce.all_reduce_add_rms_norm``; it needs
+Importing this package registers ``torch.ops.fxcoalesce.all_reduce_add_rms_norm`` and the
+copy-in ``torch.ops.fxcoalesce.one_shot_all_reduce`` (the one-shot under CUDA graphs, on the
+same workspace); it needs
 no GPU and no Triton (the Triton kernel is imported only where Triton is).
 
     from fxcoalesce.kernels import symm_mem_ready, ensure_symm_mem_fakes

@@ -255,8 +255,7 @@ def get_workspace(group_name: str, device: torch.device, nbytes: int) -> Workspa
     handle's pointer tables, which torch allocates from the caching allocator, never come from
     a CUDA-graph memory pool active on the current stream.
     """
-    key = (group_name, device.index)
-    ws = _WORKSPACES.get(key)
+    ws = _WORKSPACES.get((group_name, device.index))
     if ws is not None and ws.nbytes >= nbytes:
         return ws
     if capturing():
@@ -267,6 +266,11 @@ def get_workspace(group_name: str, device: torch.device, nbytes: int) -> Workspa
             "collective rendezvous). Run the graph once eagerly before capturing (CUDA-graph "
             "trees do), or call fxcoalesce.kernels.symm.get_workspace(group_name, device, "
             f"{nbytes}) on every rank first.")
+    return _register(group_name, device, _allocate(group_name, device, nbytes))
+
+
+def _allocate(group_name: str, device: torch.device, nbytes: int) -> torch.Tensor:
+    """A new workspace tensor in symmetric memory for ``nbytes`` (local: no peer takes part)."""
     from torch.distributed import _symmetric_memory as symm
 
     _safe_env()
@@ -275,6 +279,16 @@ def get_workspace(group_name: str, device: torch.device, nbytes: int) -> Workspa
     stream = torch.cuda.Stream(device)
     with torch.cuda.device(device), torch.cuda.stream(stream):
         tensor = symm.empty(size, dtype=torch.uint8, device=device)
+    stream.synchronize()
+    return tensor
+
+
+def _register(group_name: str, device: torch.device, tensor: torch.Tensor) -> Workspace:
+    """Rendezvous ``tensor`` with the group's peers (collective) and make it the workspace."""
+    from torch.distributed import _symmetric_memory as symm
+
+    stream = torch.cuda.Stream(device)
+    with torch.cuda.device(device), torch.cuda.stream(stream):
         handle = symm.rendezvous(tensor, group_name)
     stream.synchronize()
     if handle.buffer_ptrs[handle.rank] != tensor.data_ptr():
@@ -282,21 +296,34 @@ def get_workspace(group_name: str, device: torch.device, nbytes: int) -> Workspa
                            "tensor (offset handle); the kernel's pointer table would be wrong")
     world = handle.world_size
     max_blocks = min(MAX_BLOCKS, _signal_pad_bytes(handle) // (4 * world))
-    if ws is not None:
-        _RETIRED.append(ws)
-    _WORKSPACES[key] = Workspace(tensor, handle, size, max_blocks)
+    key = (group_name, device.index)
+    if key in _WORKSPACES:
+        _RETIRED.append(_WORKSPACES[key])
+    _WORKSPACES[key] = Workspace(tensor, handle, tensor.numel(), max_blocks)
     return _WORKSPACES[key]
 
 
-def prepare(group_name: str, device: torch.device, nbytes: int) -> None:
+def prepare(group_name: str, device: torch.device, nbytes: int) -> tuple[bool, str]:
     """Before a compiled graph first runs: size the workspace for its largest symmetric-memory
     all_reduce and run one copy-in one-shot, so that every allocation and rendezvous (the
     workspace's and torch's own, with its pointer tables) happens here, outside any CUDA-graph
     pool. Collective: every rank calls it for the same groups in the same order (they agreed
-    on the graph's collectives)."""
-    get_workspace(group_name, device, max(nbytes, 1))
-    stream = torch.cuda.Stream(device)
-    with torch.cuda.device(device), torch.cuda.stream(stream):
-        probe = torch.zeros(8, dtype=torch.bfloat16, device=device)
-        torch.ops.fxcoalesce.one_shot_all_reduce(probe, group_name)
-    stream.synchronize()
+    on the graph's collectives). Each step is voted on (``run_agreed_steps``): a rank whose
+    allocation fails (out of memory, say) stops every rank before the rendezvous, and all
+    return the same (False, reason)."""
+    state: dict = {}
+    ws = _WORKSPACES.get((group_name, device.index))
+    grow = ws is None or ws.nbytes < max(nbytes, 1)  # rank-invariant: the agreed sizes
+
+    def probe():
+        stream = torch.cuda.Stream(device)
+        with torch.cuda.device(device), torch.cuda.stream(stream):
+            x = torch.zeros(8, dtype=torch.bfloat16, device=device)
+            torch.ops.fxcoalesce.one_shot_all_reduce(x, group_name)
+        stream.synchronize()
+
+    steps = [("probe", probe)]
+    if grow:
+        steps[:0] = [("allocate", lambda: state.update(t=_allocate(group_name, device, nbytes))),
+                     ("rendezvous", lambda: _register(group_name, device, state["t"]))]
+    return run_agreed_steps(resolve_group(group_name), steps)

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import statistics
 import sys
 import time
 from collections import Counter
