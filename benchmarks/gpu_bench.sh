@@ -111,6 +111,12 @@ run_step() {
     esac
 }
 
+within_budget() {  # within_budget LIMIT: LIMIT, or what the budget leaves (less 5 s)
+    local l
+    l=$(left)
+    if [ "$1" -gt $((l - 5)) ]; then echo $((l - 5)); else echo "$1"; fi
+}
+
 profile_of() {  # profile_of TP MODE: the calibrate profile of that setup, if any
     local name=calibrate_tp$1_${2//-/}.json f
     for f in "$OUT/$name" "$KEEP/$name" "$PROFILES/$name"; do
@@ -125,10 +131,9 @@ bench() {
     local run=$1 min=$2 limit=$3 need=$4
     shift 4
     can_start "$run" "$min" "$need" || return 0
-    local l
+    limit=$(within_budget "$limit")
+    local l dir=$WORK/$run tp mode profile
     l=$(left)
-    [ "$limit" -gt $((l - 5)) ] && limit=$((l - 5))
-    local dir=$WORK/$run tp mode profile
     tp=$(echo " $* " | sed -n 's/.* --tp \([0-9]*\) .*/\1/p')
     mode=$(echo " $* " | sed -n 's/.* --nccl-mode \([a-z0-9-]*\) .*/\1/p')
     profile=$(profile_of "$tp" "${mode:-gloo}")
@@ -156,9 +161,7 @@ calibrate() {
     local run=$1 min=$2 limit=$3 need=$4
     shift 4
     can_start "$run" "$min" "$need" || return 0
-    local l
-    l=$(left)
-    [ "$limit" -gt $((l - 5)) ] && limit=$((l - 5))
+    limit=$(within_budget "$limit")
     echo "=== $run: fxcoalesce calibrate $* (limit ${limit}s)"
     run_step "$run" "$limit" "$WORK/$run.log" \
         "$PY" -m fxcoalesce.apps.cli calibrate "$@" --out "$OUT/$run.json"
