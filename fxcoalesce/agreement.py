@@ -1,67 +1,235 @@
-"""Every rank issues one collective sequence: the ranks compare what they compiled, and fall
-back together, step by step, until they agree.
+"""Every rank issues one collective sequence, agreed without a collective at compile time.
 
-A rank sees its own graph only, and ranks' graphs can differ (a constant one rank adds after
-a wait, a branch on the rank that makes one all_reduce read another). Whatever a pass reads
-there — the cost model's compute estimates, the adds ``linearity`` sums through, the slice
-``slice`` reduces, even which collective depends on which — may differ, and so may the
-collective sequence the passes make. So whenever the passes *could* change the sequence
-(``passes.changes_sequence`` and at least one all_reduce: facts of the program's own
-sequence, the same on every rank), the ranks compare at compile time, and take the first
-step of :func:`ladder` on which every rank issues one sequence:
+Ranks pair collectives by issue order. A rank sees its own graph only, and what a pass reads
+there (the cost model's compute estimates, the adds ``linearity`` sums through, the slice
+``slice`` reduces, which collective depends on which) can differ between ranks, so the
+rewritten sequences can differ. Ranks also cut one program into graphs differently (a
+``print`` under ``if rank == 0:`` breaks rank 0's graph in two; a value that changes on one
+rank recompiles there only), so a rank cannot know that its peers compile this graph at all.
 
-    1. as configured
-    2. without the choices that read compute (no cost-model choices, no slice, linearity
-       or fuse_norm)
-    3. the program's own collective sequence (only sequence-preserving passes: schedule)
+The protocol (``exchange``), for each graph whose passes could change its sequence:
 
-Every rank sees the same gathered sequences, so all take the same step. If even step 3
-differs, the program itself issues different collectives on different ranks (plain
-``torch.compile`` would run it the same way): a warning, and the graph runs as the program
-wrote it. ``check_ranks`` turns any difference into :class:`CollectiveMismatchError`.
+1. The graph is named by its *program key* ``D``: a digest of the Config and of the graph's
+   own collective sequence in a rank-invariant form (groups by the role they play in the
+   graph, symbolic sizes renamed in order of appearance: :func:`canonical`). The rank
+   publishes, through the default group's c10d store (never a collective), a *proposal*: the
+   sequence its passes would issue at each step of :func:`ladder`, the groups it uses with
+   their members, and where it stands in each group's collective stream (the group's c10d
+   sequence number: how many collectives it has issued there).
+2. A *decision* for ``D`` is an entry in one register per ``D``, extended only by
+   compare-and-set, never changed: ``{"ranks": [...], "step": i}``. Every rank takes the
+   first entry that names it, so every rank named by an entry takes that entry's step, and
+   every later compile of ``D`` (a recompile, a late rank, a cache hit) reads it.
+3. A rank that sees proposals for ``D`` from every rank of its *closure* (the members of its
+   groups, and of its peers' groups, transitively) computes the decision (:func:`decide`:
+   the first step on which they all issue one sequence over all the groups together) and
+   adds it, unless an entry already names one of them. A rank that sees a peer compile
+   another graph at the same place (evidence of another cut), or waits longer than
+   ``Config.agree_timeout_s``, adds ``{"ranks": closure, "step": program order}``.
+4. A rank whose every ladder step issues the program's own sequence publishes and goes on:
+   whatever is decided, it issues that sequence.
 
-Assumed: ranks compile each graph together (SPMD: every rank compiles the same graphs in the
-same order), and the program's own collective sequence is the same on every rank.
+Why every interleaving of compiles and runs pairs every collective. Assume only that the
+program issues the same collectives on every rank. (a) Whatever the cut, the program's own
+order pairs: each rank issues the program's collectives in program order. (b) A rewrite is
+run only by the ranks of a decision entry made from complete proposals, which all proposed
+the same ``D``, at the same stream positions, and issue the same sequence at that step over
+all the groups of the graph: the same collectives, in one interleaving, from one point of
+every group's stream (so also no cross-group wait cycle: every rank reaches each collective
+in the same global order). No rank of that closure can take another entry: an entry is only
+added when none already names a rank of it, and an entry made from complete proposals is
+the whole closure. (c) Every other rank of those groups is in the closure. So any two ranks
+that share a group take the same step for ``D``, and a rewritten graph runs only where all
+its peers run the same rewritten graph from the same place. Waits end: each is bounded by
+``agree_timeout_s``, and no rank waits for a peer that waits for it at the same place (they
+see each other's proposal). The one thing no scheme without a run-time check can make safe,
+and which fxcoalesce warns about where it can see it: a rank that recompiles, with another
+cut, a stretch of the program that the ranks already run rewritten (its peers keep running
+the old graph). Until then the program's own sequence is what every rank falls back to.
+
+``check_ranks`` turns a difference in what ranks would issue (their rewrites differ, or a
+peer issues another collective at the same place: the program differs) into
+:class:`CollectiveMismatchError` on every rank at the graph's first call; a different cut
+into graphs is not such a difference.
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+import re
+from dataclasses import dataclass, field, replace
 
 from .config import Config
-from .rank_check import CollectiveMismatchError, Sequence, has_peers, mismatch
+from .rank_check import Sequence, first_difference, has_peers
 
-log = logging.getLogger("fxcoalesce")
+DEFAULT_TIMEOUT_S = 120.0
+TIMEOUT_ENV = "FXCOALESCE_AGREE_TIMEOUT"
 
 
 @dataclass(frozen=True, slots=True)
 class Step:
     label: str
     config: Config
+    without_symm: bool = False
+    """A copy of the step before it without symmetric memory: taken only when preparing
+    symmetric memory failed (on every rank alike, a vote) for the step before it."""
 
 
 def ladder(cfg: Config) -> list[Step]:
-    """The configurations ranks try in turn until they agree (each differs from the last)."""
+    """The configurations ranks try in turn (each differs from the last), each step that may
+    use symmetric memory followed by its copy without it."""
     from fxcoalesce.passes import program_order, without_compute_choices
 
-    steps = [Step("as configured", cfg)]
-    for label, c in (("without the choices that read compute", without_compute_choices(cfg)),
+    steps: list[Step] = []
+    for label, c in (("as configured", cfg),
+                     ("without the choices that read compute", without_compute_choices(cfg)),
                      ("in the program's own collective order", program_order(cfg))):
-        last = steps[-1].config
-        if (c.enabled_passes, c.slack_aware) != (last.enabled_passes, last.slack_aware):
-            steps.append(Step(label, c))
+        if steps and _same(c, steps[-1].config):
+            continue
+        steps.append(Step(label, c))
+        plain = replace(c, lower=False)
+        if not _same(plain, c):
+            steps.append(Step(f"{label}, without symmetric memory", plain, without_symm=True))
     return steps
 
 
+def _same(a: Config, b: Config) -> bool:
+    return (a.enabled_passes, a.slack_aware) == (b.enabled_passes, b.slack_aware)
+
+
+def program_step(steps: list[Step]) -> int:
+    return len(steps) - 1
+
+
 def must_compare(program: Sequence, all_reduces: int, cfg: Config, check_ranks: bool) -> bool:
-    """Do ranks compare this graph? A function of the program's own sequence and ``cfg``
+    """Do ranks agree on this graph? A function of the program's own sequence and ``cfg``
     only, so every rank answers alike."""
     from fxcoalesce.passes import changes_sequence
 
     return has_peers(program) and (check_ranks or (all_reduces > 0 and changes_sequence(cfg)))
+
+
+def timeout_s(cfg: Config) -> float:
+    import os
+
+    if cfg.agree_timeout_s is not None:
+        return float(cfg.agree_timeout_s)
+    try:
+        return float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
+    except ValueError:
+        return DEFAULT_TIMEOUT_S
+
+
+# --- a rank-invariant form of a collective sequence ---
+
+_SYMBOL = re.compile(r"\b([suq]\d+)\b")
+_BRACKETS = re.compile(r"\[[^\]]*\]")
+
+
+@dataclass(slots=True)
+class Canon:
+    """Renames one rank's groups by role (order of first use in the program) and its size
+    symbols by order of first appearance: dynamo names a size after the first input that has
+    it, which differs by rank; what a size *is* does not."""
+
+    roles: dict[str | None, str] = field(default_factory=dict)
+    symbols: dict[str, str] = field(default_factory=dict)
+
+    def role(self, group: str | None) -> str:
+        if group is None:
+            return "g*"
+        return self.roles.setdefault(group, f"g{len(self.roles)}")
+
+    def text(self, group: str | None, desc: str) -> str:
+        def sizes(m: re.Match) -> str:
+            return _SYMBOL.sub(lambda s: self.symbols.setdefault(s.group(1),
+                                                                 f"S{len(self.symbols)}"),
+                               m.group(0))
+        return f"{self.role(group)}:{_BRACKETS.sub(sizes, desc)}"
+
+    def sequence(self, seq: Sequence) -> list[str]:
+        return [self.text(g, d) for g, d in seq]
+
+
+def canonical(program: Sequence, *others: Sequence) -> tuple[Canon, list[str], list[list[str]]]:
+    """``program`` and ``others`` in one rank-invariant form (one renaming for all)."""
+    canon = Canon()
+    prog = canon.sequence(program)
+    return canon, prog, [canon.sequence(s) for s in others]
+
+
+# --- the decision, a pure function of complete proposals ---
+
+def shown_text(text: str) -> str:
+    """A canonical collective as a person reads it (its description names its group)."""
+    return text.split(":", 1)[1]
+
+
+def uses_symm(texts: list[str]) -> bool:
+    """Does a canonical sequence run a symmetric-memory implementation?"""
+    from .lowering import SYMM_OPS
+
+    names = {op.split("::")[1] for op in SYMM_OPS.values()}
+    return any(t.split(":", 1)[1].split("(")[0] in names for t in texts)
+
+
+def decide(proposals: dict[int, dict], steps: list[Step], check_ranks: bool) -> dict:
+    """The decision entry of ranks that all proposed one program key.
+
+    ``proposals[rank]``: ``{"groups": [[name, [members]], ...] (by role), "pos": {name:
+    stream position or None}, "steps": [{"seq": [texts], "ws": bytes}, ...]}``. The entry:
+    ``{"ranks", "step", "ws" (the largest symmetric workspace any rank sized for the step),
+    "nosymm" (the step to take if preparing symmetric memory fails), "why", "differences",
+    "error" (with ``check_ranks``, where the rewrites differ)}``."""
+    ranks = sorted(proposals)
+    entry: dict = {"ranks": ranks, "differences": []}
+    last = program_step(steps)
+    why = _misplaced(proposals)
+    if why:
+        return {**entry, "step": last, "ws": 0, "nosymm": last, "how": "cut differently",
+                "why": why}
+
+    def agreed(i: int) -> bool:
+        return all(proposals[r]["steps"][i]["seq"] == proposals[ranks[0]]["steps"][i]["seq"]
+                   for r in ranks)
+
+    for i, step in enumerate(steps):
+        if step.without_symm:
+            continue
+        if agreed(i):
+            seqs = proposals[ranks[0]]["steps"]
+            nosymm = next((j for j in range(i, len(steps))
+                           if not uses_symm(seqs[j]["seq"]) and agreed(j)), last)
+            out = {**entry, "step": i, "nosymm": nosymm,
+                   "ws": max(proposals[r]["steps"][i]["ws"] for r in ranks),
+                   "how": "fell back" if entry["differences"] else "agreed",
+                   "why": f"the ranks issue one sequence {step.label}"}
+            if check_ranks and entry["differences"]:
+                out["error"] = entry["differences"][0]
+            return out
+        texts = [proposals[r]["steps"][i]["seq"] for r in ranks]
+        shown = [[shown_text(t) for t in seq] for seq in texts]
+        found = first_difference(shown, ranks) or first_difference(texts, ranks)
+        entry["differences"].append(f"{step.label}: {found}")
+    # the program key is equal, so the program's own sequences are: unreachable in practice
+    return {**entry, "step": last, "ws": 0, "nosymm": last, "how": "fell back",
+            "why": "no step agreed"}
+
+
+def _misplaced(proposals: dict[int, dict]) -> str | None:
+    """Why ranks with one program key are not at one place of the program (a group playing
+    different roles, or reached at different points of its stream), or None."""
+    role: dict[str, int] = {}
+    pos: dict[str, int] = {}
+    for r in sorted(proposals):
+        p = proposals[r]
+        for i, (name, _) in enumerate(p["groups"]):
+            if role.setdefault(name, i) != i:
+                return f"group {name} plays different roles on different ranks"
+        for name, at in p["pos"].items():
+            if at is not None and pos.setdefault(name, at) != at:
+                return (f"the ranks reach this graph at different points of group {name}'s "
+                        "collective stream (they cut the program differently)")
+    return None
 
 
 @dataclass(slots=True)
@@ -70,38 +238,18 @@ class Agreement:
 
     compared: bool = False
     step: str = "as configured"
+    how: str = ""
+    """"agreed" (every rank of the closure proposed, the first step agreed), "fell back"
+    (an earlier step differed), "cut differently" (a peer compiles another graph here),
+    "program differs" (a peer issues another collective here), "timed out", "decided before"
+    (a recompile read the decision), "no wait" (every step issues the program's own sequence
+    here, so any decision does), "" (not compared)."""
     differences: list[str] = field(default_factory=list)
     """The difference each rejected step had, first to last."""
+    waited_s: float = 0.0
+    ranks: list[int] = field(default_factory=list)
 
     def as_dict(self) -> dict:
-        return {"compared": self.compared, "step": self.step, "differences": self.differences}
-
-
-def agree(graph_name: str, cfg: Config, build: Callable[[Config], tuple[Any, Sequence]], *,
-          check_ranks: bool) -> tuple[Any, Agreement]:
-    """Build ``cfg``'s graph, compare its sequence across ranks and fall back along
-    :func:`ladder` until every rank issues one sequence. ``build(config)`` returns (what was
-    built, its collective sequence)."""
-    agreement = Agreement(compared=True)
-    for i, step in enumerate(steps := ladder(cfg)):
-        built, sequence = build(step.config)
-        problem = mismatch(sequence)
-        if problem is None:
-            agreement.step = step.label
-            return built, agreement
-        if check_ranks:
-            raise CollectiveMismatchError(
-                f"fxcoalesce check_ranks: {graph_name} would issue different collective "
-                f"sequences on the ranks of {problem}. Ranks pair collectives by order, so it "
-                "would compute wrong values or hang. Without check_ranks the ranks fall back "
-                "together until they agree.")
-        agreement.differences.append(problem)
-        if i + 1 < len(steps):
-            log.warning("fxcoalesce[%s]: ranks would issue different collectives %s (%s); all "
-                        "ranks fall back to the passes %s", graph_name, step.label, problem,
-                        steps[i + 1].label)
-    log.warning("fxcoalesce[%s]: the program itself issues different collectives on different "
-                "ranks (%s); it runs as written, as plain torch.compile would run it",
-                graph_name, problem)
-    agreement.step = steps[-1].label
-    return built, agreement
+        return {"compared": self.compared, "step": self.step, "how": self.how,
+                "differences": self.differences, "waited_s": round(self.waited_s, 3),
+                "ranks": self.ranks}

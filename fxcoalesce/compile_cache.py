@@ -15,8 +15,9 @@ cache inside ``inner_compile``).
 An AOTAutograd hit skips ``inner_compile``, so the passes do not run and say nothing. The
 backend saves, beside Inductor's cache (``<cache dir>/fxcoalesce/<key>.json``), what it
 needs on such a hit: the reports, the program's and the rewritten graph's collective
-sequences. The key (:func:`entry_key`) hashes the compile key, the Dynamo graph's code and its
-example inputs' metadata. A hit without a saved entry is compiled again with AOTAutograd's
+sequences (the program's, and each agreement step's: a rank served from the cache agrees
+with its peers as one that compiles). The key (:func:`entry_key`) hashes the compile key
+(which names the agreed step), the Dynamo graph's code and its example inputs' metadata. A hit without a saved entry is compiled again with AOTAutograd's
 cache skipped (correct, only slower).
 """
 
@@ -33,7 +34,7 @@ import torch.distributed as dist
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 log = logging.getLogger("fxcoalesce")
-VERSION = 1
+VERSION = 2
 """Bumped when the saved entry's layout changes."""
 
 

@@ -17,13 +17,11 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.fx import Graph
 
-from .agreement import Agreement, agree, must_compare
-from .collectives import find_comm_blocks, issue_sequence, sequence_after
 from .compile_cache import compile_key, source_fingerprint, source_files  # noqa: F401 (re-exported)
 from .config import Config
-from .graph_compile import GraphCompile
-from .lowering import lowered_bytes, symm_problem
-from .pipeline import next_graph_name, run_pipeline
+from .graph_compile import GraphCompile, rewrite_agreed
+from .pipeline import next_graph_name
+from .rank_check import CollectiveMismatchError
 from .report import record
 
 log = logging.getLogger("fxcoalesce")
@@ -79,8 +77,9 @@ def backend(config: Config | None = None, *, on_graph: Callable | None = None,
     torch.compile's and reach Inductor as they would with ``backend="inductor"`` (CUDA graphs
     with ``mode="reduce-overhead"``); torch.compile's own ``mode=`` / ``options=`` arguments
     are accepted too. ``codegen="eager"`` runs the rewritten graph as Python (for debugging).
-    Where the passes could change a graph's collective sequence, the ranks compare it at
-    compile time and fall back together until they agree (``agreement``). Compiles are
+    Where the passes could change a graph's collective sequence, the ranks agree on it at
+    compile time through the process group's store, never with a collective, and fall back
+    together where they differ (``agreement``). Compiles are
     cached by Inductor, keyed on the pass sources and the config (``compile_cache``);
     ``on_graph(before, after, report)``, called for every graph the passes rewrite (inspection
     tools use it), and ``Config.dump_dir`` need the graphs, so they skip AOTAutograd's cache.
@@ -137,15 +136,16 @@ def replace_graph(dst: Graph, src: Graph) -> None:
 class FxCoalescePass(CustomGraphPass):
     """The pipeline as ``torch._inductor.config.post_grad_custom_post_pass``.
 
-    Inductor runs it at compile time on every rank, with no first call to wrap, so where the
-    passes could change a graph's collective sequence the ranks compare it right there and
-    fall back together until they agree (``agreement``), as the backend does. A rank served
-    from Inductor's cache would skip the pass and leave its peers waiting in that comparison,
-    so while a process group of several real ranks is up ``uuid()`` is None: Inductor then
-    caches none of the graphs it compiles with this pass. (The backend caches safely: use it
-    for cached compiles.) Without such a group — one process, or a fake group — ``uuid()``
-    hashes the pass sources and the config. ``check_ranks`` (or ``FXCOALESCE_CHECK_RANKS=1``)
-    turns a difference into :class:`CollectiveMismatchError`.
+    Inductor runs it at compile time on every rank; where the passes could change a graph's
+    collective sequence the ranks agree on it right there, through the store, as the backend
+    does (``agreement``). While a process group of several real ranks is up ``uuid()`` is
+    None, so Inductor caches none of the graphs it compiles with this pass (a rank served
+    from its cache would never publish the proposal its peers wait for; they would wait the
+    whole ``agree_timeout_s`` and fall back: correct, but slow. The backend caches safely:
+    use it for cached compiles). Without such a group (one process, or a fake group)
+    ``uuid()`` hashes the pass sources and the config. ``check_ranks`` (or
+    ``FXCOALESCE_CHECK_RANKS=1``) turns a difference into :class:`CollectiveMismatchError`,
+    raised while the graph compiles, before any of its collectives runs.
     """
 
     def __init__(self, config: Config | None = None):
@@ -160,31 +160,14 @@ class FxCoalescePass(CustomGraphPass):
         if gm is None:
             gm = torch.fx.GraphModule(torch.nn.Module(), graph)
         name = next_graph_name()
-        program = issue_sequence(gm.graph)
-
-        def build(config: Config):
-            new, report = run_pipeline(gm, config, name=name, record=False)
-            return (new, report), sequence_after(gm, new, report)
-
-        cfg, notes = self.config, []
-        while True:
-            if must_compare(program, find_comm_blocks(gm.graph).all_reduce_count, cfg,
-                            self.check_ranks):
-                (new, report), agreement = agree(name, cfg, build, check_ranks=self.check_ranks)
-            else:
-                (new, report), agreement = build(cfg)[0], Agreement()
-            problem = (symm_problem(issue_sequence(new.graph), lowered_bytes([report]))
-                       if cfg.lower else None)
-            if problem is None:
-                break
-            notes.append(f"symmetric memory cannot be used ({problem}); every rank keeps its "
-                         "all_reduces on NCCL")
-            cfg = replace(cfg, lower=False)
-        report.agreement = agreement.as_dict()
-        report.warnings += notes
-        record(report)
-        if new is not gm and not report.fell_back:
-            replace_graph(graph, new.graph)
+        agreed = rewrite_agreed(gm, self.config, name, self.check_ranks)
+        if agreed.error:
+            raise CollectiveMismatchError(
+                f"fxcoalesce check_ranks: {name} would issue different collective sequences "
+                f"on different ranks: {agreed.error}")
+        record(agreed.report)
+        if agreed.graph is not gm and not agreed.report.fell_back:
+            replace_graph(graph, agreed.graph.graph)
 
     def uuid(self) -> str | None:
         if _real_peers():

@@ -260,11 +260,17 @@ class Config:
     they differ, take the ladder's next step (``agreement``: no choice that reads compute,
     then the program's own order). ``False``: always merge."""
     check_ranks: bool = False
-    """When each graph compiles, compare the sequence of collectives it will issue across the
-    ranks of each group it uses, and raise naming the first difference at its first call,
-    before any data collective runs (the ``FXCOALESCE_CHECK_RANKS=1`` environment variable
-    turns it on in the backend). Costs a digest all_gather per group (the texts only on a
-    mismatch), once per compile."""
+    """Raise :class:`~fxcoalesce.CollectiveMismatchError` at a graph's first call, on every
+    rank and before any of its collectives runs, where the ranks would issue different
+    collectives (their rewrites differ, or the program itself differs) instead of falling
+    back together; also compares graphs no pass could change. A different cut of the program
+    into graphs (a ``print`` on one rank) is no such difference. ``FXCOALESCE_CHECK_RANKS=1``
+    turns it on in the backend."""
+    agree_timeout_s: float | None = None
+    """How long a rank waits at compile time for its peers' proposals for a graph (through
+    the process group's store, ``agreement``) before every rank compiles it in the program's
+    own collective order, which pairs whatever the peers do. None: ``FXCOALESCE_AGREE_TIMEOUT``
+    or 120 s. A wait ends early when a peer compiles another graph at the same place."""
     cost: CostModel = field(default_factory=CostModel)
     """Cost model used for the report's predicted communication time."""
     dump_passes: bool = False
@@ -285,6 +291,12 @@ class Config:
                 raise TypeError(f"{name} must be a tuple (or list) of pass names, e.g. "
                                 f"('bucket',), not {names!r}")
             object.__setattr__(self, name, tuple(names))  # a list is taken, kept as a tuple
+        timeout = self.agree_timeout_s
+        if timeout is not None and (isinstance(timeout, bool)
+                                    or not isinstance(timeout, numbers.Real)
+                                    or not (math.isfinite(timeout) and timeout >= 0)):
+            raise ValueError(f"agree_timeout_s must be a number of seconds >= 0 or None, not "
+                             f"{timeout!r}")
         for name in ("reassociate", "strict", "slack_aware", "check_ranks", "lower", "dump_passes"):
             if not isinstance(value := getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, not {value!r}")

@@ -1,29 +1,31 @@
-"""One Dynamo graph through the backend: compile with the passes, agree across ranks, record.
+"""One Dynamo graph through the backend: agree across ranks, compile with the passes, record.
 
     job = GraphCompile(gm, example_inputs, patches, cfg, name="graph 0", on_graph=None)
     compiled = job.run(check_ranks=False)
 
-``build(config)`` compiles the graph once (Inductor or eager) with the passes of ``config``
-inside ``inner_compile`` and returns a :class:`Built`: the compiled callable, the collective
-sequences before and after the passes, and the reports. A build that Inductor's AOTAutograd
-cache answered without running the passes takes those facts from the entry saved beside the
-cache (``compile_cache``), or, without one, compiles again past that cache. ``run`` builds
-``cfg``, lets ``agreement`` compare and fall back if the passes could change the sequence,
-and records the reports of the build it keeps.
+Inside Inductor's ``inner_compile`` every ATen graph goes through :func:`rewrite_agreed`: the
+pipeline runs once per step of the agreement's ladder (the FX passes only, milliseconds),
+the ranks agree on a step through the store (``exchange``), and the agreed step's graph goes
+on to code generation. Inductor's caches key on the step too (``compile_cache``): a compile
+keyed on one step whose ranks agree on another is redone under the other's key, so a cached
+entry always holds the code of the step it is keyed on. A build that AOTAutograd's cache
+answered without running the passes agrees with the sequences saved beside the cache entry.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from . import compile_cache
-from .agreement import Agreement, agree, must_compare
+from .agreement import ladder, must_compare
 from .collectives import find_comm_blocks, program_sequence, sequence_after
 from .config import Config
+from .exchange import Outcome, agree_graph, frame_identity, without_symm
 from .lowering import lowered_bytes, symm_problem
-from .pipeline import run_pipeline
+from .pipeline import emit_graph, run_pipeline
 from .rank_check import CollectiveMismatchError, Sequence, has_peers
 from .report import Report, record
 
@@ -31,26 +33,129 @@ log = logging.getLogger("fxcoalesce")
 
 
 @dataclass(slots=True)
-class Built:
-    compiled: Callable
+class Agreed:
+    """One ATen graph after the agreement: the graph to compile, its report, and what a
+    later cache hit needs to agree again (the program's and every step's sequence)."""
+
+    graph: object
+    report: Report
     program: Sequence = field(default_factory=list)
-    """The collectives of the graphs the passes were given (every inner graph, in order)."""
-    sequence: Sequence = field(default_factory=list)
-    """The collectives of the rewritten graphs."""
-    all_reduces: int = 0
-    reports: list[Report] = field(default_factory=list)
+    sequences: list[Sequence] = field(default_factory=list)
+    workspaces: list[int] = field(default_factory=list)
+    step: int = 0
+    error: str | None = None
 
     def entry(self) -> dict:
-        return {"program": self.program, "sequence": self.sequence,
-                "all_reduces": self.all_reduces, "reports": [r.to_dict() for r in self.reports]}
+        return {"program": self.program, "sequences": self.sequences,
+                "workspaces": self.workspaces, "step": self.step,
+                "report": self.report.to_dict()}
 
-    @classmethod
-    def from_entry(cls, compiled, entry: dict) -> Built:
-        reports = [Report.from_dict(r) for r in entry["reports"]]
-        for r in reports:
-            r.cache = "hit"
-        return cls(compiled, [tuple(x) for x in entry["program"]],
-                   [tuple(x) for x in entry["sequence"]], entry["all_reduces"], reports)
+
+@contextlib.contextmanager
+def _real_tensors():
+    """Real tensors even inside a compile's fake mode (symmetric memory is allocated here)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with unset_fake_temporarily(), _disable_current_modes():
+        yield
+
+
+def prepared(outcome: Outcome, cfg: Config, sequences: list[Sequence], name: str
+             ) -> tuple[Outcome, list[str]]:
+    """Prepare symmetric memory for the agreed step if it uses some (a collective set-up,
+    run only where every rank of the decision is at this compile: ``outcome.fresh``); on
+    failure, which every rank sees alike, the step without symmetric memory."""
+    from .lowering import symm_groups
+
+    if outcome.error or not cfg.lower or not symm_groups(sequences[outcome.step]):
+        return outcome, []
+    if not outcome.fresh:  # prepared when the ranks agreed on this graph, in this process
+        return outcome, []
+    with _real_tensors():
+        problem = symm_problem(sequences[outcome.step], outcome.ws)
+    if problem is None:
+        return outcome, []
+    note = (f"symmetric memory cannot be used ({problem}); every rank compiles the step "
+            "without it")
+    log.warning("fxcoalesce[%s]: %s", name, note)
+    return without_symm(outcome), [note]
+
+
+def rewrite_agreed(gm, cfg: Config, name: str, check_ranks: bool, *,
+                   on_graph: Callable | None = None, frame: str | None = None) -> Agreed:
+    """The pipeline on ``gm`` at the step the ranks agree on (no agreement where no pass
+    could change the sequence or no real peer exists)."""
+    program = program_sequence(gm.graph)
+    quiet = replace(cfg, dump_dir=None)
+    if not must_compare(program, find_comm_blocks(gm.graph).all_reduce_count, cfg,
+                        check_ranks):
+        new, report = run_pipeline(gm, quiet, name=name, record=False, emit=False)
+        if sequence_after(gm, new, report) != program and has_peers(program):
+            if cfg.strict:
+                raise RuntimeError(f"fxcoalesce[{name}]: the passes changed the collective "
+                                   "sequence where none of them may")
+            log.warning("fxcoalesce[%s]: the passes changed the collective sequence where "
+                        "none of them may; compiling the graph unrewritten", name)
+            new, report = run_pipeline(gm, replace(quiet, passes=()), name=name, record=False,
+                                       emit=False)
+        sequence = sequence_after(gm, new, report)
+        if cfg.lower and _symm(sequence):  # no peers (else compared): a local set-up
+            with _real_tensors():
+                problem = symm_problem(sequence, lowered_bytes([report]))
+            if problem is not None:
+                new, report = run_pipeline(gm, replace(quiet, lower=False), name=name,
+                                           record=False, emit=False)
+                report.warnings.append(f"symmetric memory cannot be used ({problem}); the "
+                                       "all_reduces stay on the group's own implementation")
+        return _kept(Agreed(new, report, program), cfg, name, gm, on_graph)
+    steps = ladder(cfg)
+    built: list[tuple] = []
+    for i, step in enumerate(steps):
+        if step.without_symm and not _symm(built[-1][2]):
+            built.append(built[-1])  # no symmetric memory to leave out: the same graph
+            continue
+        new, report = run_pipeline(gm, replace(step.config, dump_dir=None), name=name,
+                                   record=False, emit=False)
+        built.append((new, report, sequence_after(gm, new, report), lowered_bytes([report])))
+    sequences = [b[2] for b in built]
+    workspaces = [b[3] for b in built]
+    outcome = agree_graph(name, cfg, steps, program, sequences, workspaces,
+                          check_ranks=check_ranks,
+                          frame=frame_identity() if frame is None else frame)
+    outcome, notes = prepared(outcome, cfg, sequences, name)
+    new, report = built[outcome.step][:2]
+    report.agreement = outcome.agreement.as_dict()
+    report.warnings += notes
+    agreed = Agreed(new, report, program, sequences, workspaces, outcome.step, outcome.error)
+    if outcome.error is None:
+        _kept(agreed, cfg, name, gm, on_graph)
+    return agreed
+
+
+def _symm(sequence: Sequence) -> bool:
+    from .lowering import symm_groups
+
+    return bool(symm_groups(sequence))
+
+
+def _kept(agreed: Agreed, cfg: Config, name: str, gm, on_graph) -> Agreed:
+    """Emit the graph kept (trace artifacts, dump, the callback)."""
+    if cfg.dump_dir and cfg.dump_passes:  # the per-pass graphs of the step kept
+        run_pipeline(gm, cfg if agreed.step == 0 else ladder(cfg)[agreed.step].config,
+                     name=name, record=False, emit=False)
+    emit_graph(cfg, name, gm, agreed.graph, agreed.report)
+    if on_graph is not None:
+        on_graph(gm, agreed.graph, agreed.report)
+    return agreed
+
+
+class _Redo(Exception):
+    """The ranks agreed on another step than the compile is keyed on."""
+
+    def __init__(self, step: int):
+        super().__init__(f"agreed on step {step}")
+        self.step = step
 
 
 class GraphCompile:
@@ -65,86 +170,89 @@ class GraphCompile:
         # the graphs are wanted (callback, dump): AOTAutograd must run, never its cache
         self.aot_cache = on_graph is None and cfg.dump_dir is None
         self.closed = False
+        self.check_ranks = False
+        self.frame = frame_identity()
 
     def run(self, check_ranks: bool) -> Callable:
-        cfg, notes = self.cfg, []
+        self.check_ranks = check_ranks
+        step, tried = 0, set()
         while True:
+            tried.add(step)
             try:
-                chosen, agreement = self._agree(cfg, check_ranks)
-            except CollectiveMismatchError as e:  # raised at the call, as the user's own code
-                return _raiser(e)                 # would, not inside Dynamo's compile
-            problem = (symm_problem(chosen.sequence, lowered_bytes(chosen.reports))
-                       if cfg.lower else None)
-            if problem is None:
+                compiled, agreed = self.build(step)
                 break
-            notes.append(f"symmetric memory cannot be used ({problem}); every rank keeps its "
-                         "all_reduces on NCCL")
-            log.warning("fxcoalesce[%s]: %s", self.name, notes[-1])
-            cfg = replace(cfg, lower=False)
-        self.closed = True  # a graph compiled later (a lazy backward) cannot be compared
-        for r in chosen.reports:
-            r.agreement = agreement.as_dict()
-            r.warnings += notes
-            record(r)
-        return chosen.compiled
+            except _Redo as redo:
+                if redo.step in tried:  # cannot happen: a decision, once made, stays
+                    raise RuntimeError(f"fxcoalesce[{self.name}]: the agreement moved from "
+                                       f"step {step} to {redo.step} and back") from None
+                step = redo.step
+        self.closed = True  # a graph compiled later (a lazy backward) is not agreed on
+        errors = [a.error for a in agreed if a.error]
+        if errors:
+            return _raiser(CollectiveMismatchError(
+                f"fxcoalesce check_ranks: {self.name} would issue different collective "
+                f"sequences on different ranks: {errors[0]}. Ranks pair collectives by "
+                "order, so it would compute wrong values or hang. Without check_ranks the "
+                "ranks fall back together until they agree."))
+        for a in agreed:
+            record(a.report)
+        return compiled
 
-    def _agree(self, cfg: Config, check_ranks: bool) -> tuple[Built, Agreement]:
-        first = self.build(cfg)
-
-        def build(config: Config) -> tuple[Built, Sequence]:
-            built = first if config is cfg else self.build(config)
-            return built, built.sequence
-
-        if must_compare(first.program, first.all_reduces, cfg, check_ranks):
-            return agree(self.name, cfg, build, check_ranks=check_ranks)
-        return self._unchanged(first, cfg), Agreement()
-
-    def _unchanged(self, built: Built, cfg: Config) -> Built:
-        """``built``, which no rank compares: its passes must have kept the program's
-        sequence wherever peers could see it (else a pass broke its promise: not risked)."""
-        if built.sequence == built.program or not has_peers(built.program):
-            return built
-        if cfg.strict:
-            raise RuntimeError(f"fxcoalesce[{self.name}]: the passes changed the collective "
-                               "sequence where none of them may")
-        log.warning("fxcoalesce[%s]: the passes changed the collective sequence where none of "
-                    "them may; compiling the graph unrewritten", self.name)
-        return self.build(replace(cfg, passes=()))
-
-    def build(self, config: Config, *, aot_cache: bool = True) -> Built:
+    def build(self, step: int, *, aot_cache: bool = True) -> tuple[Callable, list[Agreed]]:
         from fxcoalesce.passes import program_order
 
-        built = Built(compiled=None)
+        agreed: list[Agreed] = []
 
         def rewrite(graph_module):
-            now = program_order(config) if self.closed else config
-            new, report = run_pipeline(graph_module, now, name=self.name, record=self.closed)
-            built.program += program_sequence(graph_module.graph)
-            built.sequence += sequence_after(graph_module, new, report)
-            built.all_reduces += find_comm_blocks(graph_module.graph).all_reduce_count
-            built.reports.append(report)
-            if self.on_graph is not None:
-                self.on_graph(graph_module, new, report)
-            return new
+            if self.closed:
+                new, report = run_pipeline(graph_module, program_order(self.cfg),
+                                           name=self.name)
+                return new
+            a = rewrite_agreed(graph_module, self.cfg, self.name, self.check_ranks,
+                               on_graph=self.on_graph, frame=self.frame)
+            if a.error is None and a.step != step and self.cfg.codegen != "eager":
+                raise _Redo(a.step)  # Inductor's caches are keyed on ``step``
+            agreed.append(a)
+            return graph_module if a.error else a.graph
 
-        if config.codegen == "eager":
-            built.compiled = _eager(rewrite)(self.gm, self.example_inputs)
-            return built
-        key = compile_cache.compile_key(compile_cache.source_fingerprint(), repr(config),
-                                        self.patches)
+        if self.cfg.codegen == "eager":
+            return _eager(rewrite)(self.gm, self.example_inputs), agreed
+        key = compile_cache.compile_key(compile_cache.source_fingerprint(),
+                                        f"{self.cfg!r}|step {step}", self.patches)
         use_aot_cache = aot_cache and self.aot_cache
-        built.compiled = self._inductor(rewrite, key, use_aot_cache)
+        compiled = self._inductor(rewrite, key, use_aot_cache)
         entry_key = compile_cache.entry_key(key, self.gm, self.example_inputs)
-        if built.reports:  # the passes ran: what a later cache hit needs to know
-            if use_aot_cache:
-                compile_cache.save(entry_key, built.entry())
-            return built
+        if agreed:  # the passes ran: what a later cache hit needs to know
+            if use_aot_cache and not any(a.error for a in agreed):
+                compile_cache.save(entry_key, {"graphs": [a.entry() for a in agreed]})
+            return compiled, agreed
         entry = compile_cache.load(entry_key)
-        if entry is not None:
-            return Built.from_entry(built.compiled, entry)
+        if entry is not None and "graphs" in entry:
+            return compiled, [self._from_cache(g, step) for g in entry["graphs"]]
         log.info("fxcoalesce[%s]: AOTAutograd's cache answered but no fxcoalesce entry is "
                  "saved beside it; compiling again past that cache", self.name)
-        return self.build(config, aot_cache=False)
+        return self.build(step, aot_cache=False)
+
+    def _from_cache(self, saved: dict, step: int) -> Agreed:
+        """A graph AOTAutograd's cache served: the ranks agree on its saved sequences."""
+        report = Report.from_dict(saved["report"])
+        report.cache, report.graph = "hit", self.name
+        program = [tuple(x) for x in saved["program"]]
+        a = Agreed(None, report, program)
+        if saved["sequences"]:  # the graph was agreed on when it was compiled: again now
+            a.sequences = [[tuple(x) for x in s] for s in saved["sequences"]]
+            a.workspaces = list(saved["workspaces"])
+            steps = ladder(self.cfg)
+            outcome = agree_graph(self.name, self.cfg, steps, program, a.sequences,
+                                  a.workspaces, check_ranks=self.check_ranks, frame=self.frame)
+            outcome, notes = prepared(outcome, self.cfg, a.sequences, self.name)
+            if outcome.error is None and outcome.step != step:
+                raise _Redo(outcome.step)
+            a.step, a.error = outcome.step, outcome.error
+            report.agreement = outcome.agreement.as_dict()
+            report.warnings += notes
+        trace_artifacts_of_hit(report)
+        return a
 
     def _inductor(self, rewrite, key: str, aot_cache: bool):
         from torch._inductor import config as inductor_config
@@ -161,6 +269,16 @@ class GraphCompile:
         outer = keyed if aot_cache else compile_cache.KeyedPass(pre, None)
         return compile_fx(self.gm, self.example_inputs, inner_compile=inner_compile,
                           config_patches={**self.patches, "post_grad_custom_pre_pass": outer})
+
+
+def trace_artifacts_of_hit(report: Report) -> None:
+    """A cache hit's structured-trace artifact: the saved report (the graphs were not
+    traced in this process)."""
+    from torch._logging import trace_structured
+
+    trace_structured("artifact", metadata_fn=lambda: {"name": "fxcoalesce_report",
+                                                      "encoding": "json"},
+                     payload_fn=report.to_json)
 
 
 def _raiser(error: Exception) -> Callable:

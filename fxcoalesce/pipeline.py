@@ -60,16 +60,26 @@ def _gc_paused():
             gc.enable()
 
 
-def run_pipeline(gm: GraphModule, cfg: Config, *, name: str | None = None, record: bool = True
-                 ) -> tuple[GraphModule, Report]:
+def run_pipeline(gm: GraphModule, cfg: Config, *, name: str | None = None, record: bool = True,
+                 emit: bool = True) -> tuple[GraphModule, Report]:
     """Return the rewritten graph module and its report; ``gm`` itself is never modified.
-    ``record=False``: the caller records the report (``report.record``) if it keeps the graph."""
+    ``record=False``: the caller records the report (``report.record``) if it keeps the graph;
+    ``emit=False``: nor are the trace artifacts and the dump written (the caller emits them
+    for the graph it keeps: :func:`emit_graph`)."""
     with _gc_paused():
-        return _run_pipeline(gm, cfg, name=name, record_report=record)
+        return _run_pipeline(gm, cfg, name=name, record_report=record, emit=emit)
 
 
-def _run_pipeline(gm: GraphModule, cfg: Config, *, name: str | None, record_report: bool
-                  ) -> tuple[GraphModule, Report]:
+def emit_graph(cfg: Config, name: str, before: GraphModule, after: GraphModule,
+               report: Report) -> None:
+    """The structured-trace artifacts of a graph kept, and its dump (``cfg.dump_dir``)."""
+    trace_artifacts(before, after, report)
+    if cfg.dump_dir:
+        dump(cfg.dump_dir, name, before, after, report)
+
+
+def _run_pipeline(gm: GraphModule, cfg: Config, *, name: str | None, record_report: bool,
+                  emit: bool) -> tuple[GraphModule, Report]:
     from fxcoalesce.passes import PASSES, check_config
 
     check_config(cfg)
@@ -105,9 +115,8 @@ def _run_pipeline(gm: GraphModule, cfg: Config, *, name: str | None, record_repo
     report.total_ms = round((time.perf_counter() - t0) * 1e3, 3)
     if record_report:
         record(report)
-    trace_artifacts(gm, work, report)
-    if cfg.dump_dir:
-        dump(cfg.dump_dir, name, gm, work, report)
+    if emit:
+        emit_graph(cfg, name, gm, work, report)
     return work, report
 
 

@@ -252,8 +252,8 @@ def _slice_run(rank, world, name):
 
 def test_rank_dependent_slice_falls_back():
     res = spawn(_slice_run, 2, ("own",), backend="gloo", timeout=300)
-    for r in res:  # sliced first (64 B), then every rank recompiled unsliced (512 B)
-        assert r["bytes_after"] == [64, 512]
+    for r in res:  # the ranks' slices differ: every rank compiles it unsliced (512 B)
+        assert r["bytes_after"] == [512]
         torch.testing.assert_close(r["got"][0], r["want"][0])
 
 
@@ -316,9 +316,10 @@ def _route_run(rank, world, name, route):
 def test_ranks_fall_back_together(name, route):
     res = spawn(_route_run, 2, (name, route), backend="gloo", timeout=300)
     for r in res:
-        # the ranks compared, saw the difference, and took the same fallback step ...
+        # the ranks compared, saw the difference, and took the same fallback step (a rank
+        # with nothing to rewrite at any step issues the program's order without waiting) ...
         assert r["agreement"]["compared"] and r["agreement"]["step"] == AGREED_STEP[name], r
-        assert len(r["agreement"]["differences"]) >= 1
+        assert r["agreement"]["how"] == "no wait" or len(r["agreement"]["differences"]) >= 1
         # ... so they pair the same collectives and compute what eager computes
         for got, want in zip(r["got"], r["want"], strict=True):
             torch.testing.assert_close(got, want)

@@ -48,10 +48,14 @@ NCCL_SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1
 """Kept set for NCCL ranks: NVLink multicast can take a shared host's GPUs down."""
 
 
-def _entry(rank, world_size, port, backend, fn, args, queue, done, env):
+def _entry(rank, world_size, port, backend, fn, args, queue, done, env, group_timeout_s):
     try:
         os.environ.update(env or {})
         extra = {}
+        if group_timeout_s is not None:
+            import datetime
+
+            extra["timeout"] = datetime.timedelta(seconds=group_timeout_s)
         if backend == "nccl":
             os.environ.update(NCCL_SAFE_ENV)
             torch.cuda.set_device(rank)
@@ -140,9 +144,12 @@ def _stop(procs, failed: bool) -> None:
 
 
 def spawn(fn, world_size: int, args: tuple = (), backend: str | None = None,
-          timeout: float = 1800.0, env: dict[str, str] | None = None) -> list:
+          timeout: float = 1800.0, env: dict[str, str] | None = None,
+          group_timeout_s: float | None = None) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes; return results.
-    ``env`` is set in each rank before its process group starts (e.g. NCCL_P2P_DISABLE).
+    ``env`` is set in each rank before its process group starts (e.g. NCCL_P2P_DISABLE);
+    ``group_timeout_s`` is the process group's timeout (a collective that never pairs fails
+    after it: tests that could hang set a few seconds).
 
     The first rank to fail (raise, die, or not answer within ``timeout`` seconds overall) is
     raised as :class:`RankError`, after every other rank has been stopped.
@@ -152,7 +159,8 @@ def spawn(fn, world_size: int, args: tuple = (), backend: str | None = None,
     queue, done = ctx.Queue(), ctx.Event()
     port = free_port()
     procs = [ctx.Process(target=_entry,
-                         args=(r, world_size, port, backend, fn, args, queue, done, env))
+                         args=(r, world_size, port, backend, fn, args, queue, done, env,
+                               group_timeout_s))
              for r in range(world_size)]
     for p in procs:
         p.start()

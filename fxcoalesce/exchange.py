@@ -1,0 +1,391 @@
+"""The ranks' agreement on one graph, through the default group's c10d store (``agreement``
+explains the protocol and why it pairs every collective; this module runs it).
+
+    outcome = agree_graph("graph 3", cfg, steps, program, sequences, workspaces,
+                          check_ranks=False)
+    outcome.step          # the ladder step this rank compiles
+    outcome.agreement     # what the report says (how, waited_s, differences)
+
+Keys, under ``fxcoalesce/agree/v1/<restart>/`` of the default store: ``<D>/p/<rank>`` (a
+rank's first proposal for program key D: never overwritten), ``<D>/d`` (the register: a JSON
+list of decision entries, extended by compare-and-set), ``log/<rank>`` (every graph a rank
+proposed, where it starts in each group's stream and, once decided, how many collectives it
+issues there: what peers read as evidence of another cut). Store calls only: no collective
+on any process group, so nothing here can pair with a peer's data collective.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field, replace
+
+import torch.distributed as dist
+
+from .agreement import (TIMEOUT_ENV, Agreement, Step, canonical, decide, program_step,
+                        timeout_s)
+from .config import Config
+from .rank_check import Sequence
+
+log = logging.getLogger("fxcoalesce")
+NAMESPACE = "fxcoalesce/agree/v1"
+POLL_S = (0.002, 0.05)
+"""First and longest pause between two looks at the store."""
+FRESH = ("agreed", "fell back")
+"""Entries made from every rank's proposal, read while every rank waits for them."""
+
+
+class Exchange:
+    """This process's view of the agreement keys in one store."""
+
+    def __init__(self, store, rank: int, namespace: str):
+        self.store, self.rank, self.ns = store, rank, namespace
+
+    def _key(self, *parts) -> str:
+        return "/".join([self.ns, *map(str, parts)])
+
+    def _get(self, key: str):
+        return json.loads(self.store.get(key)) if self.store.check([key]) else None
+
+    def proposal(self, d: str, rank: int) -> dict | None:
+        return self._get(self._key(d, "p", rank))
+
+    def propose(self, d: str, proposal: dict) -> dict:
+        """Publish this rank's first proposal for ``d``; returns the one there if any."""
+        got = self.store.compare_set(self._key(d, "p", self.rank), "", json.dumps(proposal))
+        return json.loads(got.decode())
+
+    def entries(self, d: str) -> list[dict]:
+        return self._get(self._key(d, "d")) or []
+
+    def add(self, d: str, entry: dict) -> list[dict]:
+        """Append ``entry`` to the register unless an entry already names one of its ranks
+        (then the register as it is). Compare-and-set, retried: never loses an entry."""
+        key = self._key(d, "d")
+        while True:
+            raw = self.store.get(key).decode() if self.store.check([key]) else ""
+            current = json.loads(raw) if raw else []
+            if any(set(e["ranks"]) & set(entry["ranks"]) for e in current):
+                return current
+            new = json.dumps(current + [entry])
+            if self.store.compare_set(key, raw, new).decode() == new:
+                return current + [entry]
+
+    def note(self, line: dict) -> None:
+        self.store.append(self._key("log", self.rank), json.dumps(line) + "\n")
+
+    def notes(self, rank: int) -> list[dict]:
+        key = self._key("log", rank)
+        if not self.store.check([key]):
+            return []
+        return [json.loads(x) for x in self.store.get(key).decode().splitlines() if x]
+
+
+_EXCHANGES: dict[int, Exchange] = {}
+
+
+def current_exchange() -> Exchange:
+    """The exchange of the default process group's store."""
+    store = dist.distributed_c10d._get_default_store()
+    if id(store) not in _EXCHANGES:
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        _EXCHANGES.clear()  # a new default group: the old keys belong to another job
+        _LOCAL.clear()
+        _EXCHANGES[id(store)] = Exchange(store, dist.get_rank(), f"{NAMESPACE}/{restart}")
+    return _EXCHANGES[id(store)]
+
+
+@dataclass(slots=True)
+class Outcome:
+    step: int
+    agreement: Agreement
+    key: str = ""
+    """The graph's program key."""
+    fresh: bool = False
+    """Every rank of the decision took part in it just now (all are at this graph's compile:
+    collective set-up such as symmetric memory may run, in the same order on all)."""
+    nosymm: int | None = None
+    """The step to take instead if preparing symmetric memory fails (on every rank alike)."""
+    ws: int = 0
+    """The largest symmetric workspace any rank sized for the step (bytes)."""
+    error: str | None = None
+    """With ``check_ranks``: the difference to raise at the first call."""
+    digests: list[str] = field(default_factory=list)
+    """Of each step's sequence on this rank, in the rank-invariant form."""
+
+
+@dataclass(slots=True)
+class _Local:
+    """What this process knows of one program key."""
+
+    evident: bool
+    """Its first proposal issued the program's own sequence at every step."""
+    entry: dict | None = None
+    active: str | None = None
+    """The digest of the sequence this rank issues for the key (the agreed one)."""
+    rewritten: bool = False
+    """The agreed sequence is not the program's own."""
+
+
+_LOCAL: dict[str, _Local] = {}
+
+
+def _digest(texts: list[str]) -> str:
+    return hashlib.sha256("\n".join(texts).encode()).hexdigest()[:24]
+
+
+def _resolve(name: str):
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
+
+def _position(group) -> int | None:
+    """How many collectives this rank has issued on ``group`` (its c10d sequence number)."""
+    try:
+        return int(group._get_sequence_number_for_group())
+    except Exception:  # a backend without one: no position evidence for this group
+        return None
+
+
+def frame_identity() -> str:
+    """The Python function Dynamo is compiling (name, file name, first line: the same on
+    every rank that runs the same source), "" outside a compile. A graph break's second
+    part is a function of its own (``torch_dynamo_resume_in_<fn>_at_<line>``)."""
+    from torch._guards import TracingContext
+
+    ctx = TracingContext.try_get()
+    code = ctx.traced_code[0] if ctx is not None and getattr(ctx, "traced_code", None) else None
+    if code is None:
+        return ""
+    return f"{code.co_name}@{os.path.basename(code.co_filename)}:{code.co_firstlineno}"
+
+
+def _config_key(cfg: Config) -> str:
+    return repr(replace(cfg, dump_dir=None, dump_passes=False, strict=False))
+
+
+def agree_graph(name: str, cfg: Config, steps: list[Step], program: Sequence,
+                sequences: list[Sequence], workspaces: list[int], *, check_ranks: bool,
+                frame: str = "") -> Outcome:
+    """Agree with the ranks sharing this graph's groups on which of ``steps`` to compile.
+    ``sequences[i]`` / ``workspaces[i]``: what step i issues on this rank and the symmetric
+    workspace it sizes (bytes, by size hints); ``frame``: :func:`frame_identity` (part of
+    the program key: a recompile of one function keeps its key, another function's graph
+    with the same collectives does not share it)."""
+    ex = current_exchange()
+    canon, prog, texts = canonical(program, *sequences)
+    groups = [g for g in canon.roles if g is not None]
+    pgs = {g: _resolve(g) for g in groups}
+    members = {g: dist.get_process_group_ranks(pgs[g]) for g in groups}
+    sizes = [f"{canon.role(g)}={len(members[g])}" for g in groups]
+    d = hashlib.sha256("\n".join([_config_key(cfg), frame, *sizes, *prog]).encode()
+                       ).hexdigest()[:32]
+    digests = [_digest(t) for t in texts]
+    evident = all(t == prog for t in texts)
+    run = _Run(name, cfg, ex, d, steps, prog, canon, check_ranks)
+    mine = _LOCAL.get(d)
+    if mine is None:
+        run.proposal = {"groups": [[g, members[g]] for g in groups],
+                        "pos": {g: _position(pgs[g]) for g in groups},
+                        "steps": [{"seq": t, "ws": w} for t, w in zip(texts, workspaces)],
+                        "evident": evident}
+        first = ex.propose(d, run.proposal)
+        mine = _LOCAL[d] = _Local(evident=first["evident"])
+        run.proposal = first
+        ex.note({"d": d, "pos": first["pos"],
+                 "first": {g: _first(prog, canon.role(g)) for g in groups}})
+    else:
+        run.proposal = ex.proposal(d, ex.rank)
+    if mine.entry is None and mine.evident and not check_ranks:
+        # every step of this rank's first proposal issues the program's sequence: so does
+        # any decision (it agrees with that proposal), whatever and whenever it is
+        out = Outcome(0 if evident else program_step(steps),
+                      Agreement(compared=True, step=steps[-1].label, how="no wait",
+                                ranks=[ex.rank]), key=d, digests=digests)
+        run.noted(texts[out.step])
+        return out
+    if mine.entry is None:
+        entry, how, waited = run.wait()
+        mine.entry, mine.active = entry, entry["digest"]
+        mine.rewritten = entry["digest"] != _digest(prog)
+        fresh = how in FRESH
+    else:
+        entry, how, waited, fresh = mine.entry, "decided before", 0.0, False
+    agreement = run.agreement(entry, how, waited)
+    out = Outcome(entry["step"], agreement, key=d, fresh=fresh, nosymm=entry.get("nosymm"),
+                  ws=entry.get("ws", 0), error=entry.get("error"), digests=digests)
+    if out.error is None and digests[out.step] != mine.active:
+        step = next((i for i, dg in enumerate(digests) if dg == mine.active), None)
+        if step is None:
+            out.error = _CHANGED.format(step=agreement.step)
+        else:
+            out.step, out.fresh = step, False
+    run.noted(texts[out.step])
+    return out
+
+
+def without_symm(outcome: Outcome) -> Outcome:
+    """``outcome`` moved to its step without symmetric memory (preparing it failed, on
+    every rank alike): this process issues that step's sequence for the key from now on."""
+    step = outcome.nosymm if outcome.nosymm is not None else len(outcome.digests) - 1
+    _LOCAL[outcome.key].active = outcome.digests[step]
+    return replace(outcome, step=step, fresh=False)
+
+
+_CHANGED = ("this rank recompiled a graph that its peers already run as agreed ({step}), and "
+            "on this rank the passes no longer issue the agreed collectives there (its compute "
+            "changed on this rank only); the ranks could not pair them. Compile such a program "
+            "with Config(passes=('schedule',)) or plain torch.compile")
+
+
+def _first(prog: list[str], role: str) -> str | None:
+    return next((t for t in prog if t.startswith(role + ":")), None)
+
+
+def _bare(text: str | None) -> str | None:
+    """A collective's text without its role and its place in the graph (comparable across
+    graphs); None where symbolic sizes make texts of different graphs incomparable."""
+    if text is None or "S" in text.split("->")[-1]:
+        return None
+    return text.split(":", 1)[1].split(" <- ")[0]
+
+
+class _Run:
+    """One rank's agreement on program key ``d``."""
+
+    def __init__(self, name, cfg, ex, d, steps, prog, canon, check_ranks):
+        self.name, self.cfg, self.ex, self.d, self.steps = name, cfg, ex, d, steps
+        self.prog, self.canon, self.check_ranks = prog, canon, check_ranks
+        self.rank, self.proposal = ex.rank, {}
+
+    def _entry_of(self, entries: list[dict]) -> dict | None:
+        return next((e for e in entries if self.rank in e["ranks"]), None)
+
+    def wait(self) -> tuple[dict, str, float]:
+        """(the decision entry naming this rank, how it was reached, seconds waited)."""
+        t0, pause, limit = time.monotonic(), POLL_S[0], timeout_s(self.cfg)
+        proposals: dict[int, dict] = {self.rank: self.proposal}
+        while True:
+            entry = self._entry_of(self.ex.entries(self.d))
+            if entry is None:
+                closure = _closure(proposals)
+                for r in sorted(closure - set(proposals)):
+                    if (p := self.ex.proposal(self.d, r)) is not None:
+                        proposals[r] = p
+                closure = _closure(proposals)
+                if closure <= set(proposals):
+                    entry = self._add(decide({r: proposals[r] for r in closure}, self.steps,
+                                             self.check_ranks))
+                elif (seen := self._evidence(closure)) is not None:
+                    entry = self._add(self._fallback(closure, *seen))
+                elif time.monotonic() - t0 > limit:
+                    missing = sorted(closure - set(proposals))
+                    why = (f"waited {limit:g} s for ranks {missing} to compile this graph; "
+                           "they did not (they cut the program into other graphs, or are slow)")
+                    entry = self._add(self._fallback(closure, "timed out", why))
+            if entry is not None:
+                self._warn(entry)
+                return entry, entry["how"], time.monotonic() - t0
+            time.sleep(pause)
+            pause = min(POLL_S[1], pause * 2)
+
+    def _warn(self, entry: dict) -> None:
+        how = entry["how"]
+        if how == "program differs":
+            log.warning("fxcoalesce[%s]: the program itself issues different collectives on "
+                        "different ranks (%s); it runs as written, as plain torch.compile "
+                        "would run it", self.name, entry["why"])
+        elif how in ("timed out", "cut differently"):
+            hazard = _HAZARD if how == "timed out" and _any_rewrite() else ""
+            log.warning("fxcoalesce[%s]: %s: every rank runs this graph in the program's own "
+                        "collective order (Config.agree_timeout_s or %s sets the wait)%s",
+                        self.name, entry["why"], TIMEOUT_ENV, hazard)
+        elif how == "fell back":
+            log.warning("fxcoalesce[%s]: ranks would issue different collectives (%s); all "
+                        "ranks compile it %s", self.name, "; ".join(entry["differences"]),
+                        self.steps[entry["step"]].label)
+
+    def _add(self, entry: dict) -> dict:
+        seqs = self.proposal["steps"]
+        entry = {**entry, "digest": _digest(seqs[entry["step"]]["seq"])}
+        return self._entry_of(self.ex.add(self.d, entry)) or entry
+
+    def _fallback(self, closure: set[int], how: str, why: str) -> dict:
+        last = program_step(self.steps)
+        entry = {"ranks": sorted(closure), "step": last, "nosymm": last, "ws": 0, "how": how,
+                 "why": why, "differences": [why] if how == "program differs" else []}
+        if how == "program differs" and self.check_ranks:
+            entry["error"] = why
+        return entry
+
+    def _evidence(self, closure: set[int]) -> tuple[str, str] | None:
+        """(how, why) when a peer's own graphs show it will not compile this one here: one
+        of them starts where this one does, or covers where it starts."""
+        pos = self.proposal["pos"]
+        firsts = {g: _first(self.prog, self.canon.role(g)) for g in pos}
+        for q in sorted(closure - {self.rank}):
+            for line in _folded(self.ex.notes(q)):
+                if line["d"] == self.d:
+                    continue
+                for g, at in pos.items():
+                    theirs = line["pos"].get(g)
+                    if at is None or theirs is None:
+                        continue
+                    if theirs == at:
+                        a, b = _bare(firsts[g]), _bare(line["first"].get(g))
+                        if a is not None and b is not None and a != b:
+                            return "program differs", (
+                                f"at collective {at} of group {g}, rank {self.rank} issues {a}, "
+                                f"rank {q} issues {b}")
+                        return "cut differently", (
+                            f"rank {q} compiles another graph from collective {at} of group "
+                            f"{g} (the ranks cut the program into graphs differently)")
+                    issued = line.get("m", {}).get(g)
+                    if theirs < at and issued is not None and theirs + issued > at:
+                        return "cut differently", (
+                            f"rank {q} runs collectives {theirs}-{theirs + issued - 1} of group "
+                            f"{g} in another graph (the ranks cut the program into graphs "
+                            "differently)")
+        return None
+
+    def agreement(self, entry: dict, how: str, waited: float) -> Agreement:
+        return Agreement(compared=True, step=self.steps[entry["step"]].label, how=how,
+                         differences=list(entry.get("differences", [])), waited_s=waited,
+                         ranks=list(entry["ranks"]))
+
+    def noted(self, texts: list[str]) -> None:
+        """Note how many collectives this graph issues on each group (peers' evidence)."""
+        counts: dict[str, int] = {}
+        for t in texts:
+            role = t.split(":", 1)[0]
+            counts[role] = counts.get(role, 0) + 1
+        m = {g: counts.get(self.canon.role(g), 0) for g in self.proposal["pos"]}
+        self.ex.note({"d": self.d, "pos": self.proposal["pos"], "m": m})
+
+
+def _closure(proposals: dict[int, dict]) -> set[int]:
+    """Every rank of every group of the known proposals (peers' groups too)."""
+    return {r for p in proposals.values() for _, ranks in p["groups"] for r in ranks}
+
+
+def _folded(lines: list[dict]) -> list[dict]:
+    """A rank's notes, one per graph: the proposal's line with its decided counts."""
+    out: dict[tuple, dict] = {}
+    for line in lines:
+        key = (line["d"], json.dumps(line["pos"], sort_keys=True))
+        out.setdefault(key, {"first": {}}).update(line)
+    return list(out.values())
+
+
+def _any_rewrite() -> bool:
+    """Does this process run a graph whose agreed sequence is not the program's own?"""
+    return any(v.rewritten for v in _LOCAL.values())
+
+
+_HAZARD = (". If a peer already runs this stretch of the program rewritten (this rank "
+           "recompiled it, cut into other graphs), their collectives cannot pair: such a "
+           "program needs Config(passes=('schedule',)) or plain torch.compile")
