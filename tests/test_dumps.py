@@ -39,6 +39,26 @@ def test_after_text_names_what_each_new_collective_replaces():
     assert "# fxcoalesce" not in graph_text(before)
 
 
+def test_a_picture_that_cannot_be_drawn_is_a_warning(tmp_path, monkeypatch, caplog):
+    """The dump is a debugging aid: a renderer that fails must not fail the compile; the DOT
+    text is written whatever draws it."""
+    import fxcoalesce.viz.draw as draw
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no fonts")
+
+    monkeypatch.setattr(draw, "renderer", lambda: "matplotlib")
+    monkeypatch.setattr(draw, "render_picture", broken)
+    run_pipeline(diamond(), Config(dump_dir=str(tmp_path)), name="g")
+    assert sorted(p.name for p in (tmp_path / "g").iterdir()) == [
+        "after.txt", "before.txt", "collectives.dot", "report.json"]
+    assert "collectives.png not drawn: RuntimeError: no fonts" in caplog.text
+    monkeypatch.setattr(draw, "renderer", lambda: None)  # nothing to draw with: DOT alone
+    run_pipeline(diamond(), Config(dump_dir=str(tmp_path)), name="h")
+    assert not (tmp_path / "h" / "collectives.png").exists()
+    assert (tmp_path / "h" / "collectives.dot").read_text().startswith("digraph fxcoalesce {")
+
+
 def test_trace_payloads_are_not_built_when_tracing_is_off(monkeypatch):
     from torch._logging._internal import trace_log
 
