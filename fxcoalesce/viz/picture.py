@@ -3,7 +3,7 @@ its Graphviz DOT text (``fxcoalesce.viz.draw`` renders it to SVG or PNG).
 
 Each panel draws one graph's :class:`~fxcoalesce.viz.dag.CollectiveDag`. A collective a pass
 made has a colour of its own, and in the *before* panel the originals it replaces have the
-same colour, so a bucket reads as "these three became that one". A graph with more
+same colour, so a merge reads as "these three became that one". A graph with more
 collectives than ``max_boxes`` is collapsed: one box per layer when the nodes carry module
 paths, else one box per range of dependency depths.
 
