@@ -167,7 +167,7 @@ def graph_text(gm: GraphModule, modules: dict[str, str] | None = None) -> str:
     for i, line in enumerate(lines):
         if loc := _LOCATION.match(line):
             if is_torch_file(loc.group(2)):
-                line = _user_location(loc.group(1), lines[i + 1:], nodes) or line
+                line = _user_location(loc.group(1), lines, i + 1, nodes) or line
             if line == location:  # the same as the comment above: it still holds here
                 if out and not out[-1].strip():
                     out.pop()
@@ -181,11 +181,11 @@ def graph_text(gm: GraphModule, modules: dict[str, str] | None = None) -> str:
     return "".join(out)
 
 
-def _user_location(prefix: str, following: list[str], nodes: dict) -> str | None:
-    """The location comment of the first node line in ``following``, from the innermost
-    frame of its stack trace outside PyTorch; None when it has none."""
-    for line in following:
-        m = _NODE_LINE.match(line)
+def _user_location(prefix: str, lines: list[str], start: int, nodes: dict) -> str | None:
+    """The location comment of the first node line from ``lines[start]`` on, from the
+    innermost frame of its stack trace outside PyTorch; None when it has none."""
+    for j in range(start, len(lines)):
+        m = _NODE_LINE.match(lines[j])
         if m and m.group(2) in nodes:
             frame = user_frame(nodes[m.group(2)].stack_trace)
             if frame is None:
