@@ -1,11 +1,13 @@
 """Configuration of the fxcoalesce pipeline (plain data: no torch, no passes imported).
 
-Pass names are checked against the registry by ``fxcoalesce.passes.check_config``, which
-every entry point calls, so a typo fails when the backend is made, not at the first compile.
+Pass names are checked twice: against ``DEFAULT_PASSES`` (every pass there is) when a
+``Config`` is made, so a typo fails at the line that made it, naming the closest pass; and
+against the registry by ``fxcoalesce.passes.check_config``, which every entry point calls.
 """
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import math
@@ -15,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 DEFAULT_PASSES = ("slice", "linearity", "bucket", "fuse_norm", "lower", "schedule")
+"""Every pass, in the order the pipeline runs them by default (``passes.PASSES`` has the same
+names)."""
 
 
 class ProfileError(ValueError):
@@ -231,6 +235,14 @@ def _read_profile(path: Path) -> dict:
     return {"profile": profile, **compute}
 
 
+def unknown_pass(name: str, where: str = "passes") -> str:
+    """The error for a pass name that is not one of ``DEFAULT_PASSES``: the closest known."""
+    close = difflib.get_close_matches(name, DEFAULT_PASSES, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return (f"unknown pass name {name!r} in {where}; {hint}known: "
+            f"{', '.join(sorted(DEFAULT_PASSES))}")
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Config:
     """What the fxcoalesce pipeline does to each compiled graph."""
@@ -291,6 +303,9 @@ class Config:
                 raise TypeError(f"{name} must be a tuple (or list) of pass names, e.g. "
                                 f"('bucket',), not {names!r}")
             object.__setattr__(self, name, tuple(names))  # a list is taken, kept as a tuple
+            for n in names:
+                if n not in DEFAULT_PASSES:
+                    raise ValueError(unknown_pass(n, name))
         timeout = self.agree_timeout_s
         if timeout is not None and (isinstance(timeout, bool)
                                     or not isinstance(timeout, numbers.Real)

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
+import re
+from collections import deque
 
 import torch
 from torch._guards import detect_fake_mode
@@ -40,6 +43,63 @@ def origin(node: Node) -> str:
 def replaced(collectives) -> list[str]:
     """What a new collective replaces: the originals behind each of ``collectives``."""
     return [name for n in collectives for name in n.meta.get(REPLACES, [n.name])]
+
+
+INPUT_CHAIN_LIMIT = 32
+"""Nodes :func:`module_path` reads up a collective's inputs before it gives up."""
+
+
+def module_path(node: Node) -> str:
+    """The dotted path of the innermost user module that computed ``node``, below the compiled
+    root ("L['self'].blocks.0.attn" -> "blocks.0.attn"), from ``meta["nn_module_stack"]``
+    (dynamo keeps it on ATen nodes); "" when no module is known. A node without a stack of
+    its own (a collective made outside any module) takes the one of the nearest node up its
+    input chain."""
+    seen, todo = {node}, deque([node])
+    while todo and len(seen) <= INPUT_CHAIN_LIMIT:
+        n = todo.popleft()
+        stack = n.meta.get("nn_module_stack") or {}
+        if stack:
+            return _dotted(str(list(stack.values())[-1][0]))
+        for i in n.all_input_nodes:
+            if i not in seen:
+                seen.add(i)
+                todo.append(i)
+    return ""
+
+
+def _dotted(path: str) -> str:
+    """A module path as dynamo writes it ("L['self']._modules['blocks']._modules['0'].attn",
+    "getattr(L['self'].blocks, '0')", "L__self___blocks_0") without dynamo's root."""
+    path = re.sub(r"^[LG]__\w+?__(?:_|$)", "", path)  # L__self___blocks_0 -> blocks_0
+    tokens = [t for t in re.findall(r"[A-Za-z_]\w*|\d+", path)
+              if t not in ("_modules", "getattr")]
+    if tokens[:1] in (["L"], ["G"]):  # dynamo's name for the root: L['self'], G['model']
+        tokens = tokens[2:]
+    return ".".join(tokens)
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_FRAME = re.compile(r'^\s*File "(.+)", line (\d+), in (.+)$')
+
+
+def is_torch_file(path: str) -> bool:
+    """Is ``path`` a file of PyTorch itself (this installation's, or any ``site-packages``)?"""
+    return path.startswith(_TORCH_DIR) or "/site-packages/torch/" in path.replace(os.sep, "/")
+
+
+def user_frame(stack_trace: str | None) -> tuple[str, str, str, str] | None:
+    """(file, line, function, code) of the innermost frame of ``stack_trace`` (a node's
+    ``meta["stack_trace"]``) outside PyTorch: the user's line that made the node, where the
+    innermost frame is often torch's own (``_functional_collectives.py``). None without one."""
+    lines = (stack_trace or "").rstrip().split("\n")
+    for i in range(len(lines) - 1, -1, -1):
+        m = _FRAME.match(lines[i])
+        if m and not is_torch_file(m.group(1)):
+            after = lines[i + 1] if i + 1 < len(lines) else ""
+            code = "" if _FRAME.match(after) else after.strip()
+            return m.group(1), m.group(2), m.group(3), code
+    return None
 
 
 UNHINTED_SIZE = 4096

@@ -20,8 +20,8 @@ from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_modu
 from .analysis import analyze
 from .config import Config
 from .collectives import group_setup, is_collective
-from .meta import ORIGIN, REPLACES
-from .report import Report, build_report, record
+from .meta import ORIGIN, REPLACES, is_torch_file, user_frame
+from .report import Report, build_report, collective_modules, record
 
 log = logging.getLogger("fxcoalesce")
 _graph_ids = itertools.count()
@@ -89,13 +89,14 @@ def _run_pipeline(gm: GraphModule, cfg: Config, *, name: str | None, record_repo
     cfg.cost.check_setup(*group_setup(before.scan))  # a profile for another setup: raise
     analysis_ms = (time.perf_counter() - t0) * 1e3
     work = copy_graph_module(gm)
+    modules = collective_modules(before) if cfg.dump_dir and cfg.dump_passes else {}
     for i, n in enumerate(n for n in work.graph.nodes if is_collective(n)):
         n.meta[ORIGIN] = f"#{i}"  # the program's own place: what ranks compare (meta.ORIGIN)
     timings, buckets, decisions, warnings = [], [], [], []
     fell_back, pass_name = False, None
     try:
         for pass_name in cfg.enabled_passes:
-            result = _run_pass(pass_name, PASSES[pass_name], work, cfg, name, timings)
+            result = _run_pass(pass_name, PASSES[pass_name], work, cfg, name, timings, modules)
             buckets += [asdict(b) for b in result.buckets]
             decisions += [{"pass": pass_name, **d} for d in result.decisions]
             warnings += [f"{pass_name}: {w}" for w in result.warnings]
@@ -121,10 +122,11 @@ def _run_pipeline(gm: GraphModule, cfg: Config, *, name: str | None, record_repo
 
 
 def _run_pass(pass_name: str, fn, work: GraphModule, cfg: Config, graph_name: str,
-              timings: list[dict]):
+              timings: list[dict], modules: dict[str, str]):
     """One pass, the way every pass runs: timed, the graph linted after it (a pass that
     breaks the graph is named, not the one after it), and with ``cfg.dump_passes`` its graph
-    written as ``after_<pass>.txt`` beside the graph's dump."""
+    written as ``after_<pass>.txt`` beside the graph's dump (``modules``: the module path of
+    each original collective, for the notes)."""
     t = time.perf_counter()
     result = fn(work, cfg=cfg)
     work.graph.lint()
@@ -133,7 +135,7 @@ def _run_pass(pass_name: str, fn, work: GraphModule, cfg: Config, graph_name: st
     if cfg.dump_dir and cfg.dump_passes and result.changed:
         work.recompile()
         out = dump_directory(cfg.dump_dir, graph_name)
-        (out / f"after_{pass_name}.txt").write_text(graph_text(work))
+        (out / f"after_{pass_name}.txt").write_text(graph_text(work, modules))
     return result
 
 
@@ -146,29 +148,60 @@ def trace_artifacts(before: GraphModule, after: GraphModule, report: Report) -> 
     dot = lambda: graph_dot(before, after, title=report.graph,  # noqa: E731
                             bound=report.all_reduce["lower_bound"])
     for name, encoding, payload in (
-            ("fxcoalesce_before", "string", lambda: graph_text(before)),
-            ("fxcoalesce_after", "string", lambda: graph_text(after)),
+            ("fxcoalesce_before", "string", lambda: graph_text(before, report.modules)),
+            ("fxcoalesce_after", "string", lambda: graph_text(after, report.modules)),
             ("fxcoalesce_report", "json", report.to_json),
             ("fxcoalesce_collectives", "string", dot)):
         trace_structured("artifact", metadata_fn=lambda name=name, encoding=encoding: {
             "name": name, "encoding": encoding}, payload_fn=payload)
 
 
-def graph_text(gm: GraphModule) -> str:
-    """The readable code of ``gm``; a comment above each collective a pass made names the
-    original collectives it replaces."""
+_LOCATION = re.compile(r"(\s*#.*?)File: (.+?):(\d+) in (.+?), code: (.*)")
+"""A location comment of ``print_readable``: "# File: path:line in function, code: text"."""
+_NODE_LINE = re.compile(r"(\s*)(\w+)(?::| =)")
+
+
+def graph_text(gm: GraphModule, modules: dict[str, str] | None = None) -> str:
+    """The readable code of ``gm``, its location comments pointing at the user's code: one
+    that names a file of PyTorch (``_functional_collectives.py``, where every collective is
+    made) names the innermost frame outside PyTorch of the next node's stack trace instead.
+    A comment above each collective a pass made names the original collectives it replaces,
+    with their module paths from ``modules`` (FX name -> path; ``Report.modules``)."""
     text = gm.print_readable(print_output=False, include_stride=False, include_device=False)
+    nodes = {n.name: n for n in gm.graph.nodes}
     notes = {n.name: n.meta[REPLACES] for n in gm.graph.nodes if REPLACES in n.meta}
-    if not notes:
-        return text
-    lines = []
-    for line in text.splitlines(keepends=True):
-        m = re.match(r"(\s*)(\w+)(?::| =)", line)
+    modules = modules or {}
+    lines = text.splitlines(keepends=True)
+    out, location = [], None
+    for i, line in enumerate(lines):
+        if loc := _LOCATION.match(line):
+            if is_torch_file(loc.group(2)):
+                line = _user_location(loc.group(1), lines, i + 1, nodes) or line
+            if line == location:  # the same as the comment above: it still holds here
+                if out and not out[-1].strip():
+                    out.pop()
+                continue
+            location = line
+        m = _NODE_LINE.match(line)
         if m and m.group(2) in notes:
-            names = notes[m.group(2)]
-            lines.append(f"{m.group(1)}# fxcoalesce: replaces {', '.join(names)}\n")
-        lines.append(line)
-    return "".join(lines)
+            names = [f"{n} ({modules[n]})" if modules.get(n) else n for n in notes[m.group(2)]]
+            out.append(f"{m.group(1)}# fxcoalesce: replaces {', '.join(names)}\n")
+        out.append(line)
+    return "".join(out)
+
+
+def _user_location(prefix: str, lines: list[str], start: int, nodes: dict) -> str | None:
+    """The location comment of the first node line from ``lines[start]`` on, from the
+    innermost frame of its stack trace outside PyTorch; None when it has none."""
+    for j in range(start, len(lines)):
+        m = _NODE_LINE.match(lines[j])
+        if m and m.group(2) in nodes:
+            frame = user_frame(nodes[m.group(2)].stack_trace)
+            if frame is None:
+                return None
+            file, lineno, function, code = frame
+            return f"{prefix}File: {file}:{lineno} in {function}, code: {code}\n"
+    return None
 
 
 def dump_directory(directory: str, name: str) -> Path:
@@ -184,11 +217,31 @@ def dump_directory(directory: str, name: str) -> Path:
 
 def dump(directory: str, name: str, before: GraphModule, after: GraphModule,
          report: Report, **extra) -> Path:
-    """Write ``before.txt``, ``after.txt`` and ``report.json`` into ``directory/<graph>``
-    (``directory/rank<R>/<graph>`` when a process group of several ranks is up, so that
-    ranks sharing a directory do not overwrite each other)."""
+    """Write ``before.txt``, ``after.txt``, ``report.json`` and the collectives picture
+    (``collectives.dot``, and ``collectives.png`` when Graphviz or matplotlib is here) into
+    ``directory/<graph>`` (``directory/rank<R>/<graph>`` when a process group of several
+    ranks is up, so that ranks sharing a directory do not overwrite each other)."""
     out = dump_directory(directory, name)
-    (out / "before.txt").write_text(graph_text(before))
-    (out / "after.txt").write_text(graph_text(after))
+    (out / "before.txt").write_text(graph_text(before, report.modules))
+    (out / "after.txt").write_text(graph_text(after, report.modules))
     (out / "report.json").write_text(report.to_json(**extra))
+    dump_picture(out, before, after, report)
     return out
+
+
+def dump_picture(out: Path, before: GraphModule, after: GraphModule, report: Report) -> None:
+    """``out/collectives.dot``, and ``out/collectives.png`` drawn by Graphviz's ``dot`` or
+    matplotlib when either is here (a drawing that fails is a warning: the dump is a
+    debugging aid, never a reason for a compile to fail)."""
+    from .viz.draw import render_picture, renderer
+    from .viz.picture import graph_panels, to_dot
+
+    panels = graph_panels(before, after, bound=report.all_reduce["lower_bound"])
+    (out / "collectives.dot").write_text(to_dot(panels, report.graph))
+    if renderer() is None:
+        return
+    try:
+        render_picture(panels, out / "collectives.png", "png", title=report.graph)
+    except Exception as e:  # noqa: BLE001 - any drawing failure
+        log.warning("fxcoalesce[%s]: collectives.png not drawn: %s: %s", report.graph,
+                    type(e).__name__, e)

@@ -10,6 +10,7 @@ from .analysis import Analysis
 from .collectives import group_setup
 from .config import CostModel
 from .cost import predict
+from .meta import module_path
 
 log = logging.getLogger("fxcoalesce")
 _REPORTS: list["Report"] = []
@@ -21,12 +22,22 @@ class Report:
 
     graph: str
     world_size: int | None
+    backend: str | None = None
+    """The process group's backend ("nccl", "gloo", "fake"; None when no group resolves)."""
     all_reduce: dict[str, int] = field(default_factory=dict)
     predicted_comm_us: dict[str, float] = field(default_factory=dict)
     chains: dict[str, int] = field(default_factory=dict)
     buckets: list[dict] = field(default_factory=list)
+    """Per collective a pass made: its ``members`` (FX names), ``kind`` ("cat": bucketed,
+    "sum": summed, ...), and the program's all_reduces behind it: ``originals`` (FX names in
+    the graph the pipeline was given) and their ``modules`` (paths, "" where unknown)."""
     decisions: list[dict] = field(default_factory=list)
-    """Per candidate group: merged or not, and the predicted exposed µs of each choice."""
+    """Per candidate group: merged or not, and the predicted exposed µs of each choice;
+    ``originals`` and ``modules`` as in ``buckets``. The group's own all_reduce is named
+    as the group runs it (:func:`default_impl`: "nccl", "gloo all_reduce")."""
+    modules: dict[str, str] = field(default_factory=dict)
+    """Module path of each collective of the graph the pipeline was given, by FX name
+    (``meta.module_path``; "" where unknown)."""
     windows: list[dict] = field(default_factory=list)
     passes: list[dict] = field(default_factory=list)
     analysis_ms: float = 0.0
@@ -56,11 +67,74 @@ class Report:
         return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
 
     def summary(self) -> str:
+        """One line of counts, then one line per merge (and per group kept apart), naming the
+        all_reduces by module path, their FX names beside them."""
         a = self.all_reduce
         alone = f", {a['left_alone']} left alone" if a.get("left_alone") else ""
-        return (f"fxcoalesce[{self.graph}]: all_reduce {a['before']} -> {a['after']} launches "
-                f"(lower bound {a['lower_bound']}{alone}), {a['bytes_before']} -> "
-                f"{a['bytes_after']} bytes, {len(self.buckets)} bucket(s); {self.verdict}")
+        kinds: dict[str, int] = {}
+        for b in self.buckets:
+            word = KIND_COUNTS.get(b.get("kind", "cat"), b.get("kind", "cat"))
+            kinds[word] = kinds.get(word, 0) + 1
+        did = "".join(f", {n} {word}" for word, n in kinds.items())
+        lines = [f"fxcoalesce[{self.graph}]: all_reduce {a['before']} -> {a['after']} launches "
+                 f"(lower bound {a['lower_bound']}{alone}), {a['bytes_before']} -> "
+                 f"{a['bytes_after']} bytes{did}; {self.verdict}"]
+        details = [merge_line(b) for b in self.buckets]
+        details += [kept_apart_line(d) for d in self.decisions
+                    if d.get("pass") in ("bucket", "linearity") and d["chose"] != "merge all"]
+        if len(details) > SUMMARY_LINES:
+            more = len(details) - SUMMARY_LINES + 1
+            details = details[:SUMMARY_LINES - 1] + [f"... {more} more (report.to_json())"]
+        return "\n".join(lines + [f"  {d}" for d in details])
+
+
+SUMMARY_LINES = 12
+"""Most merge lines :meth:`Report.summary` prints; ``to_json()`` has them all."""
+
+KIND_COUNTS = {"cat": "bucketed", "sum": "summed", "slice": "sliced",
+               "fused_add_rms_norm": "fused", "one_shot": "lowered", "two_shot": "lowered"}
+"""A bucket's kind as the summary counts it: "bucketed" only for a concatenation."""
+
+KIND_RESULTS = {"cat": "one all_reduce, bucketed", "sum": "one all_reduce, summed",
+                "slice": "an all_reduce of the slice that is read",
+                "fused_add_rms_norm": "one kernel with the add + RMSNorm after it",
+                "one_shot": "a one-shot all_reduce (symmetric memory)",
+                "two_shot": "a two-shot all_reduce (symmetric memory)"}
+"""What a collective a pass made is, by its kind: the right side of a merge line."""
+
+
+def default_impl(backend: str | None) -> str:
+    """The name of a group's own all_reduce, which the passes call "nccl": "nccl" for NCCL
+    (and for a fake group or none, which model one), else "<backend> all_reduce"."""
+    if not backend or backend == "fake" or "nccl" in backend:
+        return "nccl"
+    return f"{backend} all_reduce"
+
+
+def _labels(record: dict) -> str:
+    """The program's all_reduces behind a bucket or decision: module paths, else FX names."""
+    return " + ".join(m or o for m, o in zip(record.get("modules", ()),
+                                             record.get("originals", ())))
+
+
+def merge_line(bucket: dict) -> str:
+    """"blocks.0.attn + blocks.0.mlp -> one all_reduce, summed  [all_reduce + all_reduce_1 ->
+    all_reduce_default]": in module paths, the FX names beside them."""
+    kind = bucket.get("kind", "cat")
+    fx = " + ".join(bucket["members"])
+    lhs = _labels(bucket) or fx
+    fx = f"{fx} -> {bucket['collective']}" if lhs != fx else bucket["collective"]
+    return f"{lhs} -> {KIND_RESULTS.get(kind, kind)}  [{fx}]"
+
+
+def kept_apart_line(decision: dict) -> str:
+    """A group of independent all_reduces the cost model did not merge (or merged in part)."""
+    us = decision.get("predicted_exposed_us", {})
+    chose = "kept separate" if decision["chose"] == "separate" else decision["chose"]
+    fx = " + ".join(decision["members"])
+    lhs = _labels(decision) or fx
+    return (f"{lhs}: {chose}, predicted exposed {us.get('separate')} µs apart vs "
+            f"{us.get('merged')} µs merged" + (f"  [{fx}]" if lhs != fx else ""))
 
 
 def bound_analysis(before: Analysis, after: Analysis) -> Analysis:
@@ -103,13 +177,16 @@ def build_report(graph: str, before: Analysis, after: Analysis, *, cost: CostMod
                  passes: list[dict], buckets: list[dict], decisions: list[dict],
                  warnings: list[str],
                  analysis_ms: float, fell_back: bool) -> Report:
-    world, _ = group_setup(before.scan)
-    warn = [f"{n.name}: left alone: {why}" for n, why in before.scan.skipped]
-    warn += [f"{n.name}: left alone: {why}" for n, why in before.scan.unknown]
+    world, backend = group_setup(before.scan)
+    modules = collective_modules(before)
+    warn = [f"{_named(n.name, modules)}: left alone: {why}"
+            for n, why in (*before.scan.skipped, *before.scan.unknown)]
     bytes_of = lambda a: sum(i.block.nbytes for i in a.infos)  # noqa: E731
     bound = bound_analysis(before, after)
+    behind = originals(buckets)
+    where = lambda r: with_origins(r, behind, modules)  # noqa: E731
     return Report(
-        graph=graph, world_size=world,
+        graph=graph, world_size=world, backend=backend,
         all_reduce={"before": before.all_reduce_count, "after": after.all_reduce_count,
                     "lower_bound": bound.lower_bound,
                     "left_alone": len(bound.scan.skipped),
@@ -119,7 +196,9 @@ def build_report(graph: str, before: Analysis, after: Analysis, *, cost: CostMod
                            "world_size_assumed": world or 2,
                            "model": cost.profile.source if cost.profile else "default"},
         chains={str(k): v for k, v in bound.chains.items()},
-        buckets=buckets, decisions=decisions,
+        buckets=[where(b) for b in buckets],
+        decisions=[named_impls(where(d), default_impl(backend)) for d in decisions],
+        modules=modules,
         windows=[{"node": i.block.collective.name, "level": i.level, "ready": i.ready,
                   "need": i.need, "slack": i.slack, "bytes": i.block.nbytes,
                   "symbolic": i.block.symbolic}
@@ -129,6 +208,43 @@ def build_report(graph: str, before: Analysis, after: Analysis, *, cost: CostMod
         other_collectives=dict(before.scan.other),
         warnings=warn + warnings, fell_back=fell_back, verdict=verdict(before, after),
     )
+
+
+def collective_modules(analysis: Analysis) -> dict[str, str]:
+    """FX name -> module path (``meta.module_path``) of every collective ``analysis`` saw,
+    opaque communication included."""
+    scan = analysis.scan
+    return {n.name: module_path(n) for n in (*scan.sequence, *(n for n, _ in scan.unknown))}
+
+
+def _named(name: str, modules: dict[str, str]) -> str:
+    return f"{modules[name]} ({name})" if modules.get(name) else name
+
+
+def originals(buckets: list[dict]) -> dict[str, list[str]]:
+    """FX name of each collective a pass made -> the program's own collectives behind it (a
+    later pass's members can be an earlier pass's collectives: a bucket of sliced ones)."""
+    behind: dict[str, list[str]] = {}
+    for b in buckets:
+        behind[b["collective"]] = [o for m in b["members"] for o in behind.get(m, [m])]
+    return behind
+
+
+def with_origins(record: dict, behind: dict[str, list[str]], modules: dict[str, str]) -> dict:
+    """``record`` (a bucket or decision) with the ``originals`` behind its members and their
+    ``modules``."""
+    names = [o for m in record["members"] for o in behind.get(m, [m])]
+    return {**record, "originals": names, "modules": [modules.get(n, "") for n in names]}
+
+
+def named_impls(decision: dict, default: str) -> dict:
+    """``decision`` with the passes' "nccl" (the group's own all_reduce) named ``default``,
+    in what it chose and in the keys of its predictions and reasons."""
+    if default == "nccl":
+        return decision
+    name = lambda k: default if k == "nccl" else k  # noqa: E731
+    return {k: ({name(i): x for i, x in v.items()} if isinstance(v, dict)
+                else name(v) if k == "chose" else v) for k, v in decision.items()}
 
 
 def record(report: Report) -> None:

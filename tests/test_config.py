@@ -34,11 +34,27 @@ from fxcoalesce.config import Config, CostModel, ProfileError
     ({"dump_dir": 123}, TypeError, "dump_dir must be a directory (str or os.PathLike) or None, "
      "not 123"),
     ({"dump_dir": ""}, ValueError, "dump_dir is empty; None (the default) dumps nothing"),
+    # regression: a misspelt pass was taken, and failed only when the backend was made
+    ({"passes": ("bucket", "linarity")}, ValueError, "unknown pass name 'linarity' in passes; "
+     "did you mean 'linearity'? known: bucket, fuse_norm, linearity, lower, schedule, slice"),
+    ({"disable": ["Schedule"]}, ValueError, "unknown pass name 'Schedule' in disable; did you "
+     "mean 'schedule'? known: bucket, fuse_norm, linearity, lower, schedule, slice"),
+    ({"passes": ("nope",)}, ValueError, "unknown pass name 'nope' in passes; known: bucket, "
+     "fuse_norm, linearity, lower, schedule, slice"),
 ])
 def test_config_refuses(kwargs, error, message):
     with pytest.raises(error) as info:
         Config(**kwargs)
     assert str(info.value) == message
+
+
+def test_default_passes_are_the_registry():
+    """``Config`` checks names against ``DEFAULT_PASSES`` (it imports no pass): it must list
+    every registered pass."""
+    from fxcoalesce.config import DEFAULT_PASSES
+    from fxcoalesce.passes import PASSES
+
+    assert sorted(DEFAULT_PASSES) == sorted(PASSES)
 
 
 def test_a_list_of_pass_names_is_kept_as_a_tuple():

@@ -3,7 +3,7 @@ its Graphviz DOT text (``fxcoalesce.viz.draw`` renders it to SVG or PNG).
 
 Each panel draws one graph's :class:`~fxcoalesce.viz.dag.CollectiveDag`. A collective a pass
 made has a colour of its own, and in the *before* panel the originals it replaces have the
-same colour, so a bucket reads as "these three became that one". A graph with more
+same colour, so a merge reads as "these three became that one". A graph with more
 collectives than ``max_boxes`` is collapsed: one box per layer when the nodes carry module
 paths, else one box per range of dependency depths.
 
@@ -174,11 +174,18 @@ def to_dot(panels: list[Panel], title: str = "") -> str:
     return "\n".join(out) + "\n"
 
 
-def graph_dot(before_gm, after_gm, *, collapse: str = "auto", title: str = "",
-              bound: int | None = None) -> str:
-    """DOT text of two graph modules' collectives (what the pipeline's trace artifact holds)."""
+def graph_panels(before_gm, after_gm, *, collapse: str = "auto", bound: int | None = None
+                 ) -> list[Panel]:
+    """The before and after panels of two graph modules' collectives (``after_gm``'s new
+    collectives take their module paths from the originals in ``before_gm``)."""
     from fxcoalesce.viz.dag import find_collective_dag
 
     before = find_collective_dag(before_gm)
     after = find_collective_dag(after_gm, origins=before)
-    return to_dot(collective_picture(before, after, collapse=collapse, bound=bound), title)
+    return collective_picture(before, after, collapse=collapse, bound=bound)
+
+
+def graph_dot(before_gm, after_gm, *, collapse: str = "auto", title: str = "",
+              bound: int | None = None) -> str:
+    """DOT text of two graph modules' collectives (what the pipeline's trace artifact holds)."""
+    return to_dot(graph_panels(before_gm, after_gm, collapse=collapse, bound=bound), title)
