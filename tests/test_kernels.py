@@ -4,7 +4,9 @@ symm_mem_ready's answers without symmetric memory and its agreement across ranks
 ensure_symm_mem_fakes; the CUDA path's Python (the P2P checks, the workspace) over a host
 stand-in for symmetric memory; and, where Triton is installed, the Triton kernel itself
 through Triton's CPU interpreter: on 2 ranks (two processes over shared memory standing in
-for P2P), and behind the op's CUDA implementation on 1 rank."""
+for P2P), and behind the op's CUDA implementation on 1 rank. nccl_symm's op, its readiness
+check (on 2 gloo ranks too: a rank that cannot go on stops both), its window and prepare,
+over the same stand-in."""
 
 from __future__ import annotations
 
@@ -192,6 +194,36 @@ def _two_rank_worker(rank, world_size):
     out["agreed"] = symm.run_agreed_steps(group, [(f"step{i}", step(i)) for i in (1, 2, 3)])
     out["ran"] = ran
     out["all_pass"] = symm.run_agreed_steps(group, [("a", lambda: None), ("b", lambda: None)])
+    out.update(_nccl_symm_two_ranks(rank, name))
+    return out
+
+
+def _nccl_symm_two_ranks(rank, name):
+    """nccl_symm.ready where one rank cannot go on: rank 1's backend is CUDA's, then rank
+    1's allocation fails. Each time both ranks answer alike and nobody reaches a step (an
+    allocation, the rendezvous) its peer skipped. gloo stands for NCCL (``_precheck``)."""
+    from fxcoalesce.kernels import nccl_symm
+
+    reached = []
+
+    def allocate(nbytes, device):
+        reached.append("allocate")
+        if rank == 1 and backend == "NCCL":
+            raise RuntimeError("out of memory")
+        return torch.zeros(nbytes, dtype=torch.uint8)
+
+    def register(t, group_name):
+        reached.append("rendezvous")
+        raise AssertionError("a rank reached the rendezvous")
+
+    symm._precheck = lambda group_name: None
+    nccl_symm._allocate, nccl_symm._register = allocate, register
+    out = {}
+    for backend in ("CUDA", "NCCL"):
+        nccl_symm._READY.clear()
+        reached.clear()
+        nccl_symm.process_backend = lambda b=backend: "NCCL" if rank == 0 else b
+        out[f"nccl_ready_{backend}"] = (nccl_symm.ready(name), list(reached))
     return out
 
 
@@ -260,6 +292,17 @@ def test_a_failing_rank_makes_every_rank_answer_false_with_its_reason(two_ranks)
                                         "buffer unreadable")
         assert out["ran"] == [1, 2]  # nobody went on to step 3
         assert out["all_pass"] == (True, "ok")
+
+
+def test_nccl_symm_ready_stops_every_rank_where_one_cannot_go_on(two_ranks):
+    for out in two_ranks:
+        (ok, why), reached = out["nccl_ready_CUDA"]
+        assert not ok and why.startswith("symmetric-memory backend: rank 1 of the group: "
+                                         "RuntimeError: this process's symmetric-memory "
+                                         "backend is CUDA, not NCCL's")
+        assert reached == []  # no rank allocated
+        assert out["nccl_ready_NCCL"] == ((False, "allocate: rank 1 of the group: "
+                                           "RuntimeError: out of memory"), ["allocate"])
 
 
 def test_symm_mem_ready_on_the_fake_group_and_without_a_group():
