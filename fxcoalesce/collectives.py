@@ -46,6 +46,7 @@ LOWERED = {
     "fxcoalesce::one_shot_all_reduce": "one_shot",
     "symm_mem::two_shot_all_reduce_": "two_shot",
     "fxcoalesce::all_reduce_add_rms_norm": "fused_add_rms_norm",
+    "fxcoalesce::nccl_symm_all_reduce": "nccl_symm",
 }
 """The implementations the ``lower`` and ``fuse_norm`` passes put in an all_reduce's place, by
 op name: each is its own wait (it returns the reduced value), on a group named by its

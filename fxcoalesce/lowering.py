@@ -9,6 +9,10 @@
                         in place, on the compute stream
     fused_add_rms_norm  fxcoalesce.all_reduce_add_rms_norm: a one-shot sum, the residual add
                         and the RMSNorm after it in one kernel (the ``fuse_norm`` pass)
+    nccl_symm           fxcoalesce.nccl_symm_all_reduce: NCCL's all_reduce (its symmetric
+                        kernels, NCCL >= 2.27) on a copy in a registered NCCL window; on the
+                        compute stream. Only where the process's symmetric-memory backend is
+                        NCCL's, which then rules the three above out (``backend_problem``)
 
 Validity reads rank-invariant facts only — the device, the group's backend, op, dtype, world
 size, bytes and the calibrated profile — so ranks with one profile choose alike (and a
@@ -29,14 +33,16 @@ import torch
 from .collectives import Key
 from .config import Config
 
-SYMM_IMPLS = ("one_shot", "two_shot")
+SYMM_IMPLS = ("one_shot", "two_shot", "nccl_symm")
+NCCL_SYMM = "nccl_symm"
 FUSED = "fused_add_rms_norm"
 SYMM_DTYPES = (torch.bfloat16, torch.float32)
 SYMM_WORLDS = (1, 2, 4, 8)
 SYMM_OPS = {"one_shot": "symm_mem::one_shot_all_reduce",
             "one_shot_copy": "fxcoalesce::one_shot_all_reduce",
             "two_shot": "symm_mem::two_shot_all_reduce_",
-            FUSED: "fxcoalesce::all_reduce_add_rms_norm"}
+            FUSED: "fxcoalesce::all_reduce_add_rms_norm",
+            NCCL_SYMM: "fxcoalesce::nccl_symm_all_reduce"}
 
 
 def assumed_backend(backend: str | None, cfg: Config) -> str | None:
@@ -71,7 +77,7 @@ def op_available(impl: str) -> str | None:
     """Why this torch cannot run ``impl`` inside a compiled graph (None: it can)."""
     name = SYMM_OPS["one_shot_copy" if impl == "one_shot" and under_cudagraphs() else impl]
     namespace, op = name.split("::")
-    if impl in (FUSED, "one_shot") and (impl == FUSED or under_cudagraphs()):
+    if impl in (FUSED, "one_shot", NCCL_SYMM) and (impl != "one_shot" or under_cudagraphs()):
         try:
             import fxcoalesce.kernels  # noqa: F401  (registers the op)
         except ImportError as e:
@@ -111,6 +117,28 @@ def distinct_p2p_ids(key: str) -> None:
         random.seed(int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big"))
 
 
+def backend_problem(impl: str) -> str | None:
+    """Why this process's symmetric-memory backend rules ``impl`` out (None: it does not).
+
+    torch's backend is process-wide and fixed at the first symmetric allocation; nccl_symm
+    needs NCCL's, the one-shot, two-shot and fused kernels torch's default CUDA one (they
+    are not known to work on NCCL windows at several ranks). It is the same on every rank of
+    one program, which picks it before compiling (``kernels.nccl_symm.use_nccl_backend``);
+    where it is not, the lowered ops' names differ and the ranks' sequences disagree."""
+    from fxcoalesce.kernels.nccl_symm import NCCL, process_backend
+
+    backend = process_backend()
+    if impl == NCCL_SYMM and backend != NCCL:
+        return (f"this process's symmetric-memory backend is {backend or 'not set'}, not NCCL's "
+                "(torch fixes "
+                "it at the first symmetric allocation: fxcoalesce.kernels.nccl_symm."
+                "use_nccl_backend() before any, on every rank)")
+    if impl != NCCL_SYMM and backend == NCCL:
+        return ("this process's symmetric-memory backend is NCCL's (for nccl_symm); the "
+                f"{impl} kernels run on torch's CUDA backend: one backend a process")
+    return None
+
+
 def under_cudagraphs() -> bool:
     """Is this compile for CUDA graphs (``mode="reduce-overhead"``)? The same on every rank."""
     from torch._inductor import config
@@ -135,7 +163,8 @@ def options(key: Key, nbytes: int, world: int | None, backend: str | None, cfg: 
     for impl in impls:
         reason = None
         if impl != "nccl":
-            reason = blocked or cfg.cost.impl_missing(impl, nbytes) or op_available(impl)
+            reason = (blocked or cfg.cost.impl_missing(impl, nbytes) or op_available(impl)
+                      or backend_problem(impl))
             if reason is None and impl == "two_shot" and under_cudagraphs():
                 reason = CUDAGRAPH_P2P
         if reason is None:
@@ -151,21 +180,24 @@ def profile_tag(cfg: Config) -> str:
     return f"profile {p.digest[:12]}" if p is not None and p.digest else "no profile"
 
 
-def symm_groups(sequence) -> list[str]:
-    """The groups on which a collective sequence runs symmetric-memory implementations."""
-    names = {op.split("::")[1] for op in SYMM_OPS.values()}
+def symm_groups(sequence, ops=None) -> list[str]:
+    """The groups on which a collective sequence runs symmetric-memory implementations (of
+    ``ops``, op names as in ``SYMM_OPS``'s values: all of them by default)."""
+    names = {op.split("::")[1] for op in (SYMM_OPS.values() if ops is None else ops)}
     return sorted({g for g, d in sequence if g is not None and d.split("(")[0] in names})
 
 
 def symm_problem(sequence, nbytes: int = 0) -> str | None:
     """Test symmetric memory for real on every group ``sequence`` runs it on (a collective
     check, the same on every rank: ranks agreed on ``sequence``) and prepare it for
-    all_reduces of up to ``nbytes`` (``kernels.symm.prepare``: nothing is allocated later,
-    under CUDA graphs); why it cannot be used, or None. Fake groups (tracing) are skipped."""
+    all_reduces of up to ``nbytes`` (``kernels.symm.prepare``, or ``kernels.nccl_symm.prepare``
+    on a group running nccl_symm: nothing is allocated later, under CUDA graphs); why it
+    cannot be used, or None. Fake groups (tracing) are skipped."""
     import torch.distributed as dist
 
     from .rank_check import _resolve
 
+    nccl_groups = symm_groups(sequence, [SYMM_OPS[NCCL_SYMM]])
     for name in symm_groups(sequence):
         try:
             if dist.get_backend(_resolve(name)) == "fake":
@@ -173,22 +205,26 @@ def symm_problem(sequence, nbytes: int = 0) -> str | None:
         except Exception:  # a group name nothing here resolves (hand-built graphs)
             continue
         try:
-            from fxcoalesce.kernels.symm import symm_mem_ready
+            from fxcoalesce.kernels import nccl_symm, symm
         except ImportError as e:  # every rank runs the same code: all of them land here
             return f"fxcoalesce.kernels does not import: {e}"
-        ok, why = symm_mem_ready(name)
+        device = torch.device("cuda", torch.cuda.current_device())
+        if name in nccl_groups:  # one backend a process (backend_problem): nothing else here
+            ok, why = nccl_symm.prepare(name, device, nbytes)
+            if not ok:
+                return f"group {name}: preparing NCCL's symmetric memory failed: {why}"
+            continue
+        ok, why = symm.symm_mem_ready(name)
         if not ok:
             return f"group {name}: {why}"
-        from fxcoalesce.kernels.symm import prepare
-
-        ok, why = prepare(name, torch.device("cuda", torch.cuda.current_device()), nbytes)
+        ok, why = symm.prepare(name, device, nbytes)
         if not ok:
             return f"group {name}: preparing symmetric memory failed: {why}"
     return None
 
 
 def lowered_bytes(reports) -> int:
-    """The largest all_reduce the reports ran on fxcoalesce's workspace: the fused op's and
-    the copy-in one-shot's (``variant``); Inductor places the others' inputs itself."""
+    """The largest all_reduce the reports ran on fxcoalesce's workspace: the fused op's, the
+    copy-in one-shot's and nccl_symm's (``variant``); Inductor places the others' inputs."""
     return max((d.get("bytes", 0) for r in reports for d in r.decisions
                 if d.get("chose") == "fused" or "variant" in d), default=0)

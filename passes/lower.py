@@ -2,7 +2,8 @@
 
 Requires: comm blocks (``find_comm_blocks``); last but ``schedule`` in the pipeline. Ensures:
 every analysed NCCL all_reduce whose calibrated alternative is predicted faster by a margin
-(``Decider.lower``) runs as ``symm_mem.one_shot_all_reduce`` or ``two_shot_all_reduce_``
+(``Decider.lower``) runs as ``symm_mem.one_shot_all_reduce``, ``two_shot_all_reduce_`` or
+``fxcoalesce.nccl_symm_all_reduce`` (NCCL's symmetric kernels on a registered window)
 instead; the others stay NCCL, and the report records, per all_reduce, the choice, the
 predicted alternatives and why any implementation was ruled out (``fxcoalesce.lowering``:
 CPU, gloo, fp16, avg, world size 3, no curve in the profile, a size past the calibrated
@@ -10,7 +11,8 @@ ones...). Values are the same sums, in another order. The new op takes the colle
 in the issue order and names the program's collective and the profile in its description,
 so ranks compare both. Inductor realises the input in symmetric memory: the producing kernel
 writes straight into a P2P buffer (whose id the pass makes this graph's own:
-``lowering.distinct_p2p_ids``); under CUDA graphs the one-shot runs on a copy instead.
+``lowering.distinct_p2p_ids``); under CUDA graphs the one-shot runs on a copy instead, and
+nccl_symm always does (``kernels.nccl_symm``: Inductor allocates no NCCL windows).
 
     before                                        after
     %ar = all_reduce(%x, "sum", "0")              %y = symm_mem.one_shot_all_reduce(%x, "sum", "0")
@@ -27,7 +29,8 @@ import fxcoalesce.kernels  # noqa: F401  (registers fxcoalesce::one_shot_all_red
 from fxcoalesce.analysis import analyze
 from fxcoalesce.config import Config
 from fxcoalesce.kernels.fakes import ensure_symm_mem_fakes
-from fxcoalesce.lowering import CUDAGRAPH_P2P, distinct_p2p_ids, profile_tag, under_cudagraphs
+from fxcoalesce.lowering import (CUDAGRAPH_P2P, NCCL_SYMM, distinct_p2p_ids, profile_tag,
+                                 under_cudagraphs)
 from fxcoalesce.meta import (ORIGIN, REPLACES, fake_mode_of, origin, propagate_val, replaced,
                              tensor_val)
 
@@ -35,6 +38,8 @@ from .decide import Decider
 from .result import Bucket, PassResult
 
 aten = torch.ops.aten
+NCCL_COPY_IN = ("copy-in: NCCL's all_reduce on fxcoalesce's registered window (Inductor "
+                "allocates no NCCL windows; under CUDA graphs none can be in the graph's pool)")
 
 
 def lower_pass(gm: GraphModule, *, cfg: Config) -> PassResult:
@@ -58,7 +63,12 @@ def lower_pass(gm: GraphModule, *, cfg: Config) -> PassResult:
             continue
         x, group = b.input, b.group  # a name (lowering.symm_unusable)
         with graph.inserting_before(b.collective):
-            if chosen == "one_shot" and under_cudagraphs():  # on a copy (lowering.CUDAGRAPH_P2P)
+            if chosen == NCCL_SYMM:  # on a copy: Inductor cannot allocate a window
+                new = graph.call_function(torch.ops.fxcoalesce.nccl_symm_all_reduce.default,
+                                          (x, group))
+                propagate_val(new, mode)
+                record["variant"] = NCCL_COPY_IN
+            elif chosen == "one_shot" and under_cudagraphs():  # on a copy (lowering.CUDAGRAPH_P2P)
                 new = graph.call_function(torch.ops.fxcoalesce.one_shot_all_reduce.default,
                                           (x, group))
                 propagate_val(new, mode)

@@ -206,9 +206,9 @@ def refused(capsys, argv: list[str]) -> str:
      "what each implementation costs a call at world size 1); with gloo an all_reduce over "
      "one rank moves nothing"),
     (["--impls", "one_shot,fast"], "--impls: unknown implementation(s) 'fast'; choose from: "
-     "nccl, one_shot, two_shot, fused_add_rms_norm"),
+     "nccl, one_shot, two_shot, fused_add_rms_norm, nccl_symm"),
     (["--impls", ","], "--impls names none; choose from: nccl, one_shot, two_shot, "
-     "fused_add_rms_norm"),
+     "fused_add_rms_norm, nccl_symm"),
     (["--impls", "one_shot"], "--impls one_shot needs --backend nccl --device cuda "
      "(symmetric memory: CUDA ranks of an NCCL group)"),
 ])
@@ -240,3 +240,49 @@ def test_calibrate_prints_each_implementation(monkeypatch, capsys, tmp_path):
     assert "two_shot: left out (failed its correctness check: ...)" in text
     assert any(line.split()[:1] == ["67108864"] for line in text.splitlines())  # the table
     assert CostModel.from_profile(out).profile.curve("one_shot") is not None
+
+
+@pytest.fixture
+def gloo_one_rank():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_nccl_symm_gets_a_process_of_its_own(gloo_one_rank, monkeypatch):
+    """torch's symmetric-memory backend is process-wide: asked with others, nccl_symm is
+    left out (the backend is not touched); alone, the switch to NCCL's is voted on."""
+    from fxcoalesce.kernels import nccl_symm
+
+    switched = []
+    monkeypatch.setattr(nccl_symm, "process_backend", lambda: "CUDA")
+    monkeypatch.setattr(nccl_symm, "use_nccl_backend",
+                        lambda: (switched.append(1), (True, "ok"))[1])
+    dev = torch.device("cpu")
+    backend, why = ci.choose_backend(["one_shot", "nccl_symm"], dev)
+    assert backend == "CUDA" and "calibrate nccl_symm in a run of its own" in why
+    assert "keeps CUDA's for one_shot" in why and switched == []
+    assert ci.choose_backend(["nccl_symm"], dev) == ("NCCL", None) and switched == [1]
+    monkeypatch.setattr(nccl_symm, "use_nccl_backend",
+                        lambda: (False, "set_backend('NCCL'): RuntimeError: no"))
+    assert ci.choose_backend(["nccl_symm"], dev) == (
+        "CUDA", "NCCL's symmetric memory: rank 0: set_backend('NCCL'): RuntimeError: no")
+    assert ci.choose_backend(["one_shot"], dev) == ("CUDA", None)
+
+
+def test_the_profile_says_which_backend_ran(tmp_path, monkeypatch):
+    ranks = results()
+    for r in ranks:
+        r["impls"]["symm_backend"] = ci.symm_backend_fact(["nccl_symm"]) | {"backend": "NCCL"}
+    data = make_profile(monkeypatch, ranks)
+    assert data["symm_backend"]["backend"] == "NCCL"
+    assert data["symm_backend"]["rule"].startswith("one backend a process")
+    calibrate.write_profile(data, tmp_path / "p.json")
+    CostModel.from_profile(tmp_path / "p.json")  # still reads back
+
+
+def test_nccl_symm_sizes_and_name():
+    assert ci.feasible("nccl_symm", 4, 2)
+    assert checks._impls("nccl_symm,nccl") == ("nccl_symm",)

@@ -4,7 +4,9 @@ symm_mem_ready's answers without symmetric memory and its agreement across ranks
 ensure_symm_mem_fakes; the CUDA path's Python (the P2P checks, the workspace) over a host
 stand-in for symmetric memory; and, where Triton is installed, the Triton kernel itself
 through Triton's CPU interpreter: on 2 ranks (two processes over shared memory standing in
-for P2P), and behind the op's CUDA implementation on 1 rank."""
+for P2P), and behind the op's CUDA implementation on 1 rank. nccl_symm's op, its readiness
+check (on 2 gloo ranks too: a rank that cannot go on stops both), its window and prepare,
+over the same stand-in."""
 
 from __future__ import annotations
 
@@ -192,6 +194,36 @@ def _two_rank_worker(rank, world_size):
     out["agreed"] = symm.run_agreed_steps(group, [(f"step{i}", step(i)) for i in (1, 2, 3)])
     out["ran"] = ran
     out["all_pass"] = symm.run_agreed_steps(group, [("a", lambda: None), ("b", lambda: None)])
+    out.update(_nccl_symm_two_ranks(rank, name))
+    return out
+
+
+def _nccl_symm_two_ranks(rank, name):
+    """nccl_symm.ready where one rank cannot go on: rank 1's backend is CUDA's, then rank
+    1's allocation fails. Each time both ranks answer alike and nobody reaches a step (an
+    allocation, the rendezvous) its peer skipped. gloo stands for NCCL (``_precheck``)."""
+    from fxcoalesce.kernels import nccl_symm
+
+    reached = []
+
+    def allocate(nbytes, device):
+        reached.append("allocate")
+        if rank == 1 and backend == "NCCL":
+            raise RuntimeError("out of memory")
+        return torch.zeros(nbytes, dtype=torch.uint8)
+
+    def register(t, group_name):
+        reached.append("rendezvous")
+        raise AssertionError("a rank reached the rendezvous")
+
+    symm._precheck = lambda group_name: None
+    nccl_symm._allocate, nccl_symm._register = allocate, register
+    out = {}
+    for backend in ("CUDA", "NCCL"):
+        nccl_symm._READY.clear()
+        reached.clear()
+        nccl_symm.process_backend = lambda b=backend: "NCCL" if rank == 0 else b
+        out[f"nccl_ready_{backend}"] = (nccl_symm.ready(name), list(reached))
     return out
 
 
@@ -260,6 +292,17 @@ def test_a_failing_rank_makes_every_rank_answer_false_with_its_reason(two_ranks)
                                         "buffer unreadable")
         assert out["ran"] == [1, 2]  # nobody went on to step 3
         assert out["all_pass"] == (True, "ok")
+
+
+def test_nccl_symm_ready_stops_every_rank_where_one_cannot_go_on(two_ranks):
+    for out in two_ranks:
+        (ok, why), reached = out["nccl_ready_CUDA"]
+        assert not ok and why.startswith("symmetric-memory backend: rank 1 of the group: "
+                                         "RuntimeError: this process's symmetric-memory "
+                                         "backend is CUDA, not NCCL's")
+        assert reached == []  # no rank allocated
+        assert out["nccl_ready_NCCL"] == ((False, "allocate: rank 1 of the group: "
+                                           "RuntimeError: out of memory"), ["allocate"])
 
 
 def test_symm_mem_ready_on_the_fake_group_and_without_a_group():
@@ -585,3 +628,126 @@ def test_cuda_implementation_end_to_end_interpreted(monkeypatch):
     assert counts == {"triton": 3}
     assert sizes == [1 << 20, 2 << 20]
     assert pads == [0, 0, 0]  # the readiness probe's and both workspaces'
+
+
+# --- nccl_symm: NCCL's all_reduce on a registered window (issue 22 §1) -------------------
+
+NCCL_SYMM = torch.ops.fxcoalesce.nccl_symm_all_reduce.default
+
+
+def test_nccl_symm_fake_and_reference_on_one_process():
+    with FakeTensorMode():
+        x = torch.empty(3, 8, dtype=torch.bfloat16, device="cuda").t()  # a strided view
+        out = NCCL_SYMM(x, "0")
+    assert out.shape == (8, 3) and out.dtype == torch.bfloat16 and out.is_contiguous()
+    x = torch.randn(4, 8)
+    out = NCCL_SYMM(x, "no such group")  # no peers: the sum is the input, in a new tensor
+    assert torch.equal(out, x) and out.data_ptr() != x.data_ptr()
+
+
+def test_use_nccl_backend_reports_torchs_refusal(monkeypatch):
+    from fxcoalesce.kernels import nccl_symm
+
+    calls = []
+
+    class Sm:  # torch's module as seen on a GPU build: the switch takes, then it reads NCCL
+        backend = "CUDA"
+
+        def get_backend(self, device):
+            return self.backend
+
+        def set_backend(self, name):
+            calls.append(name)
+            if name != "NCCL":
+                raise RuntimeError("Backend can not be changed after use.")
+            self.backend = name
+
+    monkeypatch.setattr(torch.distributed, "_symmetric_memory", Sm())
+    assert nccl_symm.process_backend() == "CUDA"
+    assert nccl_symm.use_nccl_backend() == (True, "ok") and calls == ["NCCL"]
+    assert nccl_symm.use_nccl_backend() == (True, "ok") and calls == ["NCCL"]  # already
+    torch.distributed._symmetric_memory.set_backend = lambda name: (_ for _ in ()).throw(
+        RuntimeError("Backend can not be changed after use.\nmore"))
+    torch.distributed._symmetric_memory.backend = "CUDA"
+    assert nccl_symm.use_nccl_backend() == (
+        False, "set_backend('NCCL'): RuntimeError: Backend can not be changed after use.")
+
+
+@pytest.fixture
+def host_nccl_symm(monkeypatch, host_symm):
+    """The host stand-in, with this process's backend NCCL's and nccl_symm's state fresh."""
+    from fxcoalesce.kernels import nccl_symm
+
+    backend = {"now": "NCCL"}
+    monkeypatch.setattr(nccl_symm, "process_backend", lambda: backend["now"])
+    for name in ("_READY", "_WORKSPACES"):
+        monkeypatch.setattr(nccl_symm, name, {})
+    for name in ("_RETIRED", "_PROBES"):
+        monkeypatch.setattr(nccl_symm, name, [])
+    host_symm.backend = backend
+    return host_symm
+
+
+def test_nccl_symm_ready_tests_the_window_for_real(host_nccl_symm):
+    from fxcoalesce.kernels import nccl_symm
+
+    name = dist.group.WORLD.group_name
+    assert nccl_symm.ready(name) == (True, "ok")
+    (probe,) = host_nccl_symm.handles  # allocated, rendezvoused, summed exactly over gloo
+    assert probe.tensor.numel() == 4096 and len(nccl_symm._PROBES) == 1
+    assert nccl_symm.ready(name) == (True, "ok") and len(host_nccl_symm.handles) == 1
+
+
+def test_nccl_symm_ready_refuses_another_backend_before_allocating(host_nccl_symm):
+    from fxcoalesce.kernels import nccl_symm
+
+    host_nccl_symm.backend["now"] = "CUDA"
+    ok, why = nccl_symm.ready(dist.group.WORLD.group_name)
+    assert not ok and why.startswith("symmetric-memory backend: rank 0 of the group: "
+                                     "RuntimeError: this process's symmetric-memory backend "
+                                     "is CUDA, not NCCL's")
+    assert host_nccl_symm.allocs == []
+
+
+def test_nccl_symm_ready_catches_a_wrong_sum(host_nccl_symm, monkeypatch):
+    from fxcoalesce.kernels import nccl_symm
+
+    real = dist.all_reduce
+    monkeypatch.setattr(dist, "all_reduce", lambda t, *a, **k: (
+        real(t, *a, **k), t.add_(1) if t.dtype == torch.float32 else None)[0])
+    ok, why = nccl_symm.ready(dist.group.WORLD.group_name)
+    assert not ok and why == ("exact all_reduce on the window: rank 0 of the group: "
+                              "RuntimeError: all_reduce on the window off by up to 1.0 from "
+                              "the exact sum")
+
+
+def test_nccl_symm_prepare_votes_and_the_op_runs_on_the_window(host_nccl_symm, monkeypatch):
+    """prepare: an allocation failing stops before the rendezvous, with the reason; then the
+    op's CUDA path copies in, sums on the window, copies out; the window grows only outside
+    capture and outgrown ones stay alive."""
+    from fxcoalesce.kernels import nccl_symm
+
+    name, dev = dist.group.WORLD.group_name, torch.device("cpu")
+    assert nccl_symm.ready(name) == (True, "ok")
+    host_nccl_symm.fail_alloc = True
+    ok, why = nccl_symm.prepare(name, dev, 1000)
+    assert not ok and why.startswith("allocate: rank 0 of the group: RuntimeError: out of "
+                                     "symmetric memory")
+    assert nccl_symm._WORKSPACES == {} and len(host_nccl_symm.handles) == 1  # the probe's
+    host_nccl_symm.fail_alloc = False
+    assert nccl_symm.prepare(name, dev, 1000) == (True, "ok")
+    (ws,) = nccl_symm._WORKSPACES.values()
+    assert ws.numel() == symm.MIN_WORKSPACE_BYTES
+    x = torch.randn(16, 64).t()  # a view: the op reduces a contiguous copy
+    out = nccl_symm._cuda(x, name)
+    assert torch.equal(out, x) and out.is_contiguous()
+    assert torch.equal(ws[:x.numel() * 4].view(torch.float32).view(64, 16), x)  # ran there
+    assert out.data_ptr() != ws.data_ptr()  # the next call reuses the window: a copy out
+    big = torch.randn(3 << 18)  # 3 MiB
+    monkeypatch.setattr(symm, "capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="cannot grow during CUDA-graph capture"):
+        nccl_symm._cuda(big, name)
+    monkeypatch.setattr(symm, "capturing", lambda: False)
+    assert torch.equal(nccl_symm._cuda(big, name), big)
+    assert nccl_symm._WORKSPACES[(name, None)].numel() == 4 << 20
+    assert nccl_symm._RETIRED == [ws]

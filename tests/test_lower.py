@@ -281,3 +281,81 @@ def test_the_workspace_is_sized_for_what_runs_on_it(tmp_path):
     with torch._inductor.config.patch({"triton.cudagraphs": True}):
         _, report = lowered(profile(tmp_path))
     assert lowered_bytes([report]) == 16 * 4096 * 2
+
+
+# --- nccl_symm (issue 22 §1) ---------------------------------------------------------------
+
+import fxcoalesce.kernels  # noqa: E402,F401  (registers the op)
+
+NCCL_SYMM = torch.ops.fxcoalesce.nccl_symm_all_reduce.default
+
+
+def with_nccl_symm(tmp_path, name="ns.json") -> CostModel:
+    """``profile`` plus nccl_symm at 3 µs + 1 µs/MB: the fastest of all at 128 KiB (3.1 µs)."""
+    data = json.loads((profile(tmp_path, name=name), (tmp_path / name).read_text())[1])
+    data["implementations"]["nccl_symm"] = curve(3.0, 1e-6)
+    (tmp_path / name).write_text(json.dumps(data))
+    return CostModel.from_profile(tmp_path / name)
+
+
+def backend_is(monkeypatch, backend):
+    from fxcoalesce.kernels import nccl_symm
+
+    monkeypatch.setattr(nccl_symm, "process_backend", lambda: backend)
+
+
+def test_nccl_symm_where_the_backend_is_nccls(tmp_path, monkeypatch):
+    """With NCCL's symmetric memory the process's backend, nccl_symm wins at 128 KiB and
+    takes the collective's place, on a copy (the variant says why); the one-shot and
+    two-shot are ruled out by the backend, not by time."""
+    from fxcoalesce.lowering import lowered_bytes
+
+    backend_is(monkeypatch, "NCCL")
+    out, report = lowered(with_nccl_symm(tmp_path))
+    (d,) = report.decisions
+    assert d["chose"] == "nccl_symm" and d["variant"].startswith("copy-in: NCCL's all_reduce")
+    assert d["predicted_exposed_us"] == {"nccl": pytest.approx(15.52, abs=0.01),
+                                         "nccl_symm": pytest.approx(3.13, abs=0.01)}
+    assert "backend is NCCL's" in d["ruled_out"]["one_shot"]
+    assert "backend is NCCL's" in d["ruled_out"]["two_shot"]
+    assert len(calls(out, NCCL_SYMM)) == 1 and not all_reduces(out) and not calls(out, ONE_SHOT)
+    ((group, described),) = issue_sequence(out.graph)
+    assert group == "0" and described.startswith("nccl_symm_all_reduce(0) -> bfloat16[16, 4096]")
+    assert lowered_bytes([report]) == 16 * 4096 * 2  # prepared for, on the workspace
+
+
+@pytest.mark.parametrize("backend", ["CUDA", None])
+def test_nccl_symm_ruled_out_on_another_backend(tmp_path, monkeypatch, backend):
+    backend_is(monkeypatch, backend)
+    out, report = lowered(with_nccl_symm(tmp_path))
+    (d,) = report.decisions
+    assert d["chose"] == "one_shot" and not calls(out, NCCL_SYMM)
+    assert d["ruled_out"]["nccl_symm"].startswith(
+        f"this process's symmetric-memory backend is {backend or 'not set'}, not NCCL's")
+
+
+def test_symm_problem_prepares_each_group_with_its_backend(monkeypatch):
+    """A sequence running nccl_symm on group "a" and one-shot on "b" (two processes' worth:
+    each prepares with its own module), each with the largest lowered size."""
+    import torch.distributed as dist
+
+    from fxcoalesce import lowering, rank_check
+    from fxcoalesce.kernels import nccl_symm, symm
+
+    seen = []
+    monkeypatch.setattr(rank_check, "_resolve", lambda name: name)
+    monkeypatch.setattr(dist, "get_backend", lambda group: "nccl")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(nccl_symm, "prepare",
+                        lambda g, dev, n: (seen.append(("nccl_symm", g, n)), (True, "ok"))[1])
+    monkeypatch.setattr(symm, "symm_mem_ready", lambda g: (True, "ok"))
+    monkeypatch.setattr(symm, "prepare",
+                        lambda g, dev, n: (seen.append(("symm", g, n)), (False, "no memory"))[1])
+    sequence = [("a", "nccl_symm_all_reduce(a) -> bfloat16[8]"),
+                ("c", "all_reduce(sum, c) -> bfloat16[8]")]
+    assert lowering.symm_problem(sequence, 4096) is None
+    assert seen == [("nccl_symm", "a", 4096)]
+    sequence.append(("b", "one_shot_all_reduce(sum, b) -> bfloat16[8]"))
+    assert lowering.symm_problem(sequence, 64) == (
+        "group b: preparing symmetric memory failed: no memory")
+    assert seen[1:] == [("nccl_symm", "a", 64), ("symm", "b", 64)]

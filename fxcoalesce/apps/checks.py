@@ -444,7 +444,7 @@ def _calibrate_memory(text: str, max_bytes: int, tp: int, device: str,
                          f"but {free / GiB:.1f} GiB is free (use a smaller --max-bytes)")
 
 
-CALIBRATE_IMPLS = ("nccl", "one_shot", "two_shot", "fused_add_rms_norm")
+CALIBRATE_IMPLS = ("nccl", "one_shot", "two_shot", "fused_add_rms_norm", "nccl_symm")
 """What ``calibrate --impls`` names (NCCL is always measured: the profile's own curve)."""
 
 

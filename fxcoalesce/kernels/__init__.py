@@ -4,7 +4,8 @@ needs, and fake kernels for torch's own symm_mem ops where this torch lacks them
 
 Importing this package registers ``torch.ops.fxcoalesce.all_reduce_add_rms_norm`` and the
 copy-in ``torch.ops.fxcoalesce.one_shot_all_reduce`` (the one-shot under CUDA graphs, on the
-same workspace); it needs
+same workspace) and ``torch.ops.fxcoalesce.nccl_symm_all_reduce`` (NCCL's all_reduce on a
+registered window: ``nccl_symm``); it needs
 no GPU and no Triton (the Triton kernel is imported only where Triton is).
 
     from fxcoalesce.kernels import symm_mem_ready, ensure_symm_mem_fakes
@@ -13,6 +14,7 @@ no GPU and no Triton (the Triton kernel is imported only where Triton is).
         x, residual, weight, eps, group_name)
 """
 
+from . import nccl_symm  # noqa: F401  (registers fxcoalesce::nccl_symm_all_reduce)
 from . import one_shot  # noqa: F401  (registers fxcoalesce::one_shot_all_reduce)
 from .fakes import ensure_symm_mem_fakes
 from .ops import HAS_TRITON, kernel_supports, reference

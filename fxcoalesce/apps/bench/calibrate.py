@@ -31,7 +31,9 @@ from fxcoalesce.apps.bench.fit import _line, fit, fit_rows  # noqa: F401 (fit: r
 
 FLOAT_BYTES = 4
 IMPLS = ("one_shot", "two_shot", "fused_add_rms_norm")
-"""What ``calibrate`` measures beside NCCL on CUDA ranks of an NCCL group (``--impls``)."""
+"""What ``calibrate`` measures beside NCCL on CUDA ranks of an NCCL group by default;
+``--impls nccl_symm`` measures NCCL's symmetric kernels, in a run of their own (torch's
+symmetric-memory backend is process-wide: ``calibrate_impls.choose_backend``)."""
 NCCL_MODES = {"nvlink": {}, "p2p-off": {"NCCL_P2P_DISABLE": "1"}}
 
 

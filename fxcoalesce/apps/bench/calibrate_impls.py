@@ -6,6 +6,15 @@ implementations the ``lower`` and ``fuse_norm`` passes choose from (``fxcoalesce
     fused_add_rms_norm  fxcoalesce.all_reduce_add_rms_norm(x, residual, weight, 1e-5, group)
                         x, residual: [bytes / (4096 x 2), 4096]; the op copies x into its
                         own symmetric workspace
+    nccl_symm           fxcoalesce.nccl_symm_all_reduce(x, group): the op the lower pass
+                        places, as it runs there: a copy of x into a registered NCCL window,
+                        NCCL's all_reduce on it (its symmetric kernels), a copy out
+
+torch's symmetric-memory backend is process-wide and fixed at the first symmetric
+allocation: nccl_symm needs NCCL's, the three others torch's CUDA one. A run asked for
+nccl_symm alone sets NCCL's (``kernels.nccl_symm.use_nccl_backend``, voted on) before
+anything allocates; asked for it with the others, it keeps CUDA's and leaves nccl_symm out
+(calibrate it in a run of its own). The profile's ``symm_backend`` says which one ran.
 
 All in bf16, the dtype the models run in on GPUs (NCCL's curve stays float32, as before: its
 time per byte does not depend on it); the profile says so per curve. one_shot and two_shot
@@ -45,7 +54,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-ONE, TWO, FUSED = "one_shot", "two_shot", "fused_add_rms_norm"
+ONE, TWO, FUSED, NSYMM = "one_shot", "two_shot", "fused_add_rms_norm", "nccl_symm"
 DTYPE = torch.bfloat16
 HIDDEN = 4096
 """Row width of the fused op's calibration: llama-3-8b's (the common served shape)."""
@@ -188,6 +197,40 @@ def symm_mem_status(group_name: str, dev: torch.device) -> dict:
     return _STATUS[group_name]
 
 
+def nccl_symm_status(group_name: str) -> dict:
+    """The profile's ``symm_mem`` section for a run of nccl_symm: NCCL's window tested for
+    real (``kernels.nccl_symm.ready``, collective, voted on)."""
+    from fxcoalesce.kernels import nccl_symm
+
+    ok, why = nccl_symm.ready(group_name)
+    return {"usable": bool(ok), "why": why, "checked_by": "fxcoalesce.kernels.nccl_symm.ready",
+            "multicast": f"off ({MULTICAST_ENV}={os.environ.get(MULTICAST_ENV)})"}
+
+
+BACKEND_WHY = {"NCCL": "nccl_symm was asked for alone: NCCL's windows (set before any "
+                       "symmetric allocation)",
+               "CUDA": "torch's default, which one_shot, two_shot and the fused kernel need"}
+
+
+def choose_backend(names: list[str], dev: torch.device) -> tuple[str | None, str | None]:
+    """(the symmetric-memory backend this run uses, why nccl_symm is left out or None).
+    NCCL's only when nccl_symm is the one symmetric-memory implementation asked for; the
+    switch is voted on, so every rank ends on the same backend or gives nccl_symm up."""
+    from fxcoalesce.kernels import nccl_symm
+
+    if NSYMM not in names:
+        return nccl_symm.process_backend(), None
+    if len(names) > 1:
+        return nccl_symm.process_backend(), (
+            "torch's symmetric-memory backend is process-wide: this run keeps CUDA's for "
+            f"{', '.join(n for n in names if n != NSYMM)}; calibrate nccl_symm in a run of its "
+            "own (--impls nccl_symm)")
+    ok, why = nccl_symm.use_nccl_backend()
+    if failed := agree(None if ok else why, dev):
+        return nccl_symm.process_backend(), f"NCCL's symmetric memory: {failed}"
+    return nccl_symm.NCCL, None
+
+
 def _fused_missing(world: int) -> str | None:
     """Why the fused op cannot be measured here: not registered, or it would run its
     reference (c10d all_reduce and torch ops) rather than the fused kernel."""
@@ -238,6 +281,10 @@ class _Impls:
         if ONE in names or TWO in names:
             enable_symm_mem(self.group)
             self.buf = symm.empty(top // DTYPE.itemsize, dtype=DTYPE, device=dev)
+        if NSYMM in names:  # a plain input: the op copies it into its window, as lowered
+            self.plain = torch.zeros(top // DTYPE.itemsize, dtype=DTYPE, device=dev)
+            self.nccl_symm = torch.ops.fxcoalesce.nccl_symm_all_reduce.default
+        self.top = top
         if FUSED in names:
             rows = top // ROW_BYTES
             self.x = self.randn((rows, HIDDEN), mine=True)
@@ -251,6 +298,12 @@ class _Impls:
 
         if self.buf is not None:
             _KEEP.append((self.buf, symm.rendezvous(self.buf, self.group)))
+        if hasattr(self, "nccl_symm"):  # voted inside: the same verdict on every rank
+            from fxcoalesce.kernels import nccl_symm
+
+            ok, why = nccl_symm.prepare(self.group, self.dev, self.top)
+            if not ok:
+                raise RuntimeError(why)
 
     def randn(self, shape, mine: bool = False, seed: int = 0) -> torch.Tensor:
         """bf16 normals: this rank's own (``mine``), else the same on every rank (a
@@ -267,6 +320,9 @@ class _Impls:
             rows = nbytes // ROW_BYTES
             x, r, w, op = self.x[:rows], self.residual[:rows], self.weight, self.op
             return lambda: op(x, r, w, EPS, group)
+        if impl == NSYMM:
+            x, op = self.plain[:nbytes // DTYPE.itemsize], self.nccl_symm
+            return lambda: op(x, group)
         view = self.buf[:nbytes // DTYPE.itemsize]
         op = (torch.ops.symm_mem.one_shot_all_reduce.default if impl == ONE
               else torch.ops.symm_mem.two_shot_all_reduce_.default)
@@ -285,11 +341,15 @@ class _Impls:
         dist.all_reduce(want)
         S = x.abs().float()
         dist.all_reduce(S)
-        view = self.buf[:n]
-        view.copy_(x)
-        if impl == ONE:
+        if impl == NSYMM:
+            out = self.nccl_symm(x, self.group)
+        elif impl == ONE:
+            view = self.buf[:n]
+            view.copy_(x)
             out = torch.ops.symm_mem.one_shot_all_reduce(view, "sum", self.group)
         else:
+            view = self.buf[:n]
+            view.copy_(x)
             out = torch.ops.symm_mem.two_shot_all_reduce_(view, "sum", self.group).clone()
         same = _same_on_ranks(out)
         worst, why = _exceed((out.float() - want.float()).abs(), sum_bound(S, self.world))
@@ -344,13 +404,18 @@ def prepare(names: tuple[str, ...], byte_sizes: list[int], dev: torch.device
 
     world = dist.get_world_size()
     facts = {"left_out": {}, "skipped_sizes": {}, "checks": {}}
-    names = [n for n in names if n in (ONE, TWO, FUSED)]
+    names = [n for n in names if n in (ONE, TWO, FUSED, NSYMM)]
     if world not in SYMM_WORLDS:
         why = f"world size {world}: the symmetric-memory kernels run at 1, 2, 4 or 8 ranks"
         facts["symm_mem"] = {"usable": False, "why": why}
         facts["left_out"] = dict.fromkeys(names, why)
         return {}, facts
-    facts["symm_mem"] = status = symm_mem_status(dist.group.WORLD.group_name, dev)
+    if NSYMM in names and (why := choose_backend(names, dev)[1]):
+        facts["left_out"][NSYMM] = why
+        names.remove(NSYMM)
+    group = dist.group.WORLD.group_name
+    facts["symm_mem"] = status = (nccl_symm_status(group) if names == [NSYMM]
+                                  else symm_mem_status(group, dev))
     if not status["usable"]:
         facts["left_out"] = dict.fromkeys(names, f"symmetric memory unusable: {status['why']}")
         return {}, facts
@@ -401,7 +466,20 @@ def prepare(names: tuple[str, ...], byte_sizes: list[int], dev: torch.device
     if impls.buf is not None:
         impls.buf.zero_()
     torch.cuda.synchronize(dev)
+    facts["symm_backend"] = symm_backend_fact(names)
     return calls, facts
+
+
+def symm_backend_fact(names: list[str]) -> dict:
+    """The profile's ``symm_backend``: torch's answer for this process, and why this one."""
+    try:
+        from fxcoalesce.kernels.nccl_symm import process_backend
+    except ImportError:
+        process_backend = lambda: None  # noqa: E731
+    backend = process_backend()
+    return {"backend": backend, "why": BACKEND_WHY.get(backend, "torch's answer"),
+            "implementations": names,
+            "rule": "one backend a process (torch fixes it at the first symmetric allocation)"}
 
 
 BOUND = ("each element within twice gamma_{W-1} (u = 2^-8, bf16) of the sum of |inputs| "
@@ -438,5 +516,6 @@ def implementations_section(ranks: list[dict]) -> dict:
         if why := op_available(impl):
             entry["lower"] = f"the lower pass cannot place it on this torch: {why}"
         section[impl] = entry
-    return {"symm_mem": first["symm_mem"], "implementations": section,
+    return {"symm_mem": first["symm_mem"], "symm_backend": first.get("symm_backend"),
+            "implementations": section,
             "implementations_left_out": first["left_out"]}
