@@ -36,3 +36,15 @@ def test_tp_parallel_block_example():
     # 4 parallel blocks: two all_reduces each, summed into one; 4 sequential ones: a chain
     assert re.search(r"parallel blocks 8 -> 4, sequential blocks 8 -> 8;", result[0]), result[0]
     assert "output equal to plain torch.compile's on all 2 ranks" in result[0], result[0]
+    # the README shows this run's output (the summaries may change wording: refresh them)
+    shown = readme_example_output()
+    mask = lambda line: re.sub(r"max abs diff [\d.e+-]+", "max abs diff X", line)  # noqa: E731
+    assert [mask(ln) for ln in shown if ln.startswith("result: ")] == [mask(result[0])], \
+        "README.md's example output is stale; paste the run's output:\n" + proc.stdout
+    assert [ln.split(":")[0] for ln in shown] == [ln.split(":")[0] for ln in lines if ln], shown
+
+
+def readme_example_output() -> list[str]:
+    """The fenced block after the README's ``<!-- example output`` marker."""
+    text = (ROOT / "README.md").read_text().split("<!-- example output", 1)[1]
+    return text.split("```\n", 2)[1].splitlines()
