@@ -144,10 +144,22 @@ class Canon:
             return _SYMBOL.sub(lambda s: self.symbols.setdefault(s.group(1),
                                                                  f"S{len(self.symbols)}"),
                                m.group(0))
-        return f"{self.role(group)}:{_BRACKETS.sub(sizes, desc)}"
+        role = self.role(group)
+        return f"{role}:{_BRACKETS.sub(sizes, _group_arg(desc, group, role))}"
 
     def sequence(self, seq: Sequence) -> list[str]:
         return [self.text(g, d) for g, d in seq]
+
+
+def _group_arg(desc: str, group: str | None, role: str) -> str:
+    """``desc`` with its group argument (the last one of every collective op's schema that
+    takes a group: ``all_reduce(sum, 3)``) named by the group's role."""
+    head, sep, rest = desc.partition(")")
+    name, paren, args = head.partition("(")
+    parts = args.split(", ")
+    if group is None or not paren or parts[-1] != group:
+        return desc
+    return f"{name}({', '.join([*parts[:-1], role])}{sep}{rest}"
 
 
 def canonical(program: Sequence, *others: Sequence) -> tuple[Canon, list[str], list[list[str]]]:
@@ -159,9 +171,12 @@ def canonical(program: Sequence, *others: Sequence) -> tuple[Canon, list[str], l
 
 # --- the decision, a pure function of complete proposals ---
 
-def shown_text(text: str) -> str:
-    """A canonical collective as a person reads it (its description names its group)."""
-    return text.split(":", 1)[1]
+def shown_text(text: str, names: list[str]) -> str:
+    """A canonical collective as a person reads it: its groups by name again (``names``:
+    the rank's groups by role)."""
+    body = text.split(":", 1)[1]
+    return re.sub(r"\bg(\d+)\b", lambda m: names[int(m.group(1))]
+                  if int(m.group(1)) < len(names) else m.group(0), body)
 
 
 def uses_symm(texts: list[str]) -> bool:
@@ -207,7 +222,8 @@ def decide(proposals: dict[int, dict], steps: list[Step], check_ranks: bool) -> 
                 out["error"] = entry["differences"][0]
             return out
         texts = [proposals[r]["steps"][i]["seq"] for r in ranks]
-        shown = [[shown_text(t) for t in seq] for seq in texts]
+        shown = [[shown_text(t, [n for n, _ in proposals[r]["groups"]]) for t in seq]
+                 for r, seq in zip(ranks, texts)]
         found = first_difference(shown, ranks) or first_difference(texts, ranks)
         entry["differences"].append(f"{step.label}: {found}")
     # the program key is equal, so the program's own sequences are: unreachable in practice

@@ -19,7 +19,7 @@ from torch.fx import Graph
 
 from .compile_cache import compile_key, source_fingerprint, source_files  # noqa: F401 (re-exported)
 from .config import Config
-from .graph_compile import GraphCompile, rewrite_agreed
+from .graph_compile import GraphCompile, keep, rewrite_agreed
 from .pipeline import next_graph_name
 from .rank_check import CollectiveMismatchError
 from .report import record
@@ -165,6 +165,7 @@ class FxCoalescePass(CustomGraphPass):
             raise CollectiveMismatchError(
                 f"fxcoalesce check_ranks: {name} would issue different collective sequences "
                 f"on different ranks: {agreed.error}")
+        keep(agreed, self.config, name, gm)
         record(agreed.report)
         if agreed.graph is not gm and not agreed.report.fell_back:
             replace_graph(graph, agreed.graph.graph)

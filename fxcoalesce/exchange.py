@@ -20,6 +20,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import time
 from dataclasses import dataclass, field, replace
 
@@ -186,7 +187,7 @@ def agree_graph(name: str, cfg: Config, steps: list[Step], program: Sequence,
                        ).hexdigest()[:32]
     digests = [_digest(t) for t in texts]
     evident = all(t == prog for t in texts)
-    run = _Run(name, cfg, ex, d, steps, prog, canon, check_ranks)
+    run = _Run(name, cfg, ex, d, steps, program, canon, check_ranks)
     mine = _LOCAL.get(d)
     if mine is None:
         run.proposal = {"groups": [[g, members[g]] for g in groups],
@@ -196,8 +197,7 @@ def agree_graph(name: str, cfg: Config, steps: list[Step], program: Sequence,
         first = ex.propose(d, run.proposal)
         mine = _LOCAL[d] = _Local(evident=first["evident"])
         run.proposal = first
-        ex.note({"d": d, "pos": first["pos"],
-                 "first": {g: _first(prog, canon.role(g)) for g in groups}})
+        ex.note({"d": d, "pos": first["pos"], "first": {g: _first(program, g) for g in groups}})
     else:
         run.proposal = ex.proposal(d, ex.rank)
     if mine.entry is None and mine.evident and not check_ranks:
@@ -242,24 +242,25 @@ _CHANGED = ("this rank recompiled a graph that its peers already run as agreed (
             "with Config(passes=('schedule',)) or plain torch.compile")
 
 
-def _first(prog: list[str], role: str) -> str | None:
-    return next((t for t in prog if t.startswith(role + ":")), None)
-
-
-def _bare(text: str | None) -> str | None:
-    """A collective's text without its role and its place in the graph (comparable across
-    graphs); None where symbolic sizes make texts of different graphs incomparable."""
-    if text is None or "S" in text.split("->")[-1]:
+def _first(program: Sequence, group: str) -> str | None:
+    """The first collective ``program`` issues on ``group``, comparable across graphs (its
+    description without its place in the graph); None where it has symbolic sizes, whose
+    names differ between graphs."""
+    desc = next((d for g, d in program if g == group), None)
+    if desc is None or _SYMBOLS.search(desc.split("->")[-1]):
         return None
-    return text.split(":", 1)[1].split(" <- ")[0]
+    return desc.split(" <- ")[0]
+
+
+_SYMBOLS = re.compile(r"\b[suq]\d+\b")
 
 
 class _Run:
     """One rank's agreement on program key ``d``."""
 
-    def __init__(self, name, cfg, ex, d, steps, prog, canon, check_ranks):
+    def __init__(self, name, cfg, ex, d, steps, program, canon, check_ranks):
         self.name, self.cfg, self.ex, self.d, self.steps = name, cfg, ex, d, steps
-        self.prog, self.canon, self.check_ranks = prog, canon, check_ranks
+        self.program, self.canon, self.check_ranks = program, canon, check_ranks
         self.rank, self.proposal = ex.rank, {}
 
     def _entry_of(self, entries: list[dict]) -> dict | None:
@@ -326,7 +327,7 @@ class _Run:
         """(how, why) when a peer's own graphs show it will not compile this one here: one
         of them starts where this one does, or covers where it starts."""
         pos = self.proposal["pos"]
-        firsts = {g: _first(self.prog, self.canon.role(g)) for g in pos}
+        firsts = {g: _first(self.program, g) for g in pos}
         for q in sorted(closure - {self.rank}):
             for line in _folded(self.ex.notes(q)):
                 if line["d"] == self.d:
@@ -336,7 +337,7 @@ class _Run:
                     if at is None or theirs is None:
                         continue
                     if theirs == at:
-                        a, b = _bare(firsts[g]), _bare(line["first"].get(g))
+                        a, b = firsts[g], line["first"].get(g)
                         if a is not None and b is not None and a != b:
                             return "program differs", (
                                 f"at collective {at} of group {g}, rank {self.rank} issues {a}, "

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -83,9 +84,10 @@ def prepared(outcome: Outcome, cfg: Config, sequences: list[Sequence], name: str
 
 
 def rewrite_agreed(gm, cfg: Config, name: str, check_ranks: bool, *,
-                   on_graph: Callable | None = None, frame: str | None = None) -> Agreed:
+                   frame: str | None = None, agreement: dict | None = None) -> Agreed:
     """The pipeline on ``gm`` at the step the ranks agree on (no agreement where no pass
-    could change the sequence or no real peer exists)."""
+    could change the sequence or no real peer exists). ``agreement``: what the report says
+    of it, where an earlier attempt of this compile agreed (and this one read the decision)."""
     program = program_sequence(gm.graph)
     quiet = replace(cfg, dump_dir=None)
     if not must_compare(program, find_comm_blocks(gm.graph).all_reduce_count, cfg,
@@ -108,9 +110,10 @@ def rewrite_agreed(gm, cfg: Config, name: str, check_ranks: bool, *,
                                            record=False, emit=False)
                 report.warnings.append(f"symmetric memory cannot be used ({problem}); the "
                                        "all_reduces stay on the group's own implementation")
-        return _kept(Agreed(new, report, program), cfg, name, gm, on_graph)
+        return Agreed(new, report, program)
     steps = ladder(cfg)
     built: list[tuple] = []
+    t0 = time.perf_counter()
     for i, step in enumerate(steps):
         if step.without_symm and not _symm(built[-1][2]):
             built.append(built[-1])  # no symmetric memory to leave out: the same graph
@@ -120,17 +123,21 @@ def rewrite_agreed(gm, cfg: Config, name: str, check_ranks: bool, *,
         built.append((new, report, sequence_after(gm, new, report), lowered_bytes([report])))
     sequences = [b[2] for b in built]
     workspaces = [b[3] for b in built]
+    t1 = time.perf_counter()
     outcome = agree_graph(name, cfg, steps, program, sequences, workspaces,
                           check_ranks=check_ranks,
                           frame=frame_identity() if frame is None else frame)
     outcome, notes = prepared(outcome, cfg, sequences, name)
     new, report = built[outcome.step][:2]
-    report.agreement = outcome.agreement.as_dict()
+    # what agreeing added to this compile: the pipeline at the other steps, the exchange
+    first_ms = built[0][1].total_ms or 0.0
+    report.agreement = {**outcome.agreement.as_dict(),
+                        "ladder_ms": round((t1 - t0) * 1e3 - first_ms, 3),
+                        "exchange_ms": round((time.perf_counter() - t1) * 1e3, 3)}
+    if agreement is not None:
+        report.agreement = agreement
     report.warnings += notes
-    agreed = Agreed(new, report, program, sequences, workspaces, outcome.step, outcome.error)
-    if outcome.error is None:
-        _kept(agreed, cfg, name, gm, on_graph)
-    return agreed
+    return Agreed(new, report, program, sequences, workspaces, outcome.step, outcome.error)
 
 
 def _symm(sequence: Sequence) -> bool:
@@ -139,7 +146,8 @@ def _symm(sequence: Sequence) -> bool:
     return bool(symm_groups(sequence))
 
 
-def _kept(agreed: Agreed, cfg: Config, name: str, gm, on_graph) -> Agreed:
+def keep(agreed: Agreed, cfg: Config, name: str, gm, on_graph: Callable | None = None
+         ) -> Agreed:
     """Emit the graph kept (trace artifacts, dump, the callback)."""
     if cfg.dump_dir and cfg.dump_passes:  # the per-pass graphs of the step kept
         run_pipeline(gm, cfg if agreed.step == 0 else ladder(cfg)[agreed.step].config,
@@ -153,9 +161,9 @@ def _kept(agreed: Agreed, cfg: Config, name: str, gm, on_graph) -> Agreed:
 class _Redo(Exception):
     """The ranks agreed on another step than the compile is keyed on."""
 
-    def __init__(self, step: int):
+    def __init__(self, step: int, agreement: dict):
         super().__init__(f"agreed on step {step}")
-        self.step = step
+        self.step, self.agreement = step, agreement
 
 
 class GraphCompile:
@@ -172,6 +180,8 @@ class GraphCompile:
         self.closed = False
         self.check_ranks = False
         self.frame = frame_identity()
+        self.agreement: dict | None = None
+        """How the ranks agreed, from an attempt redone under the agreed step's key."""
 
     def run(self, check_ranks: bool) -> Callable:
         self.check_ranks = check_ranks
@@ -185,7 +195,7 @@ class GraphCompile:
                 if redo.step in tried:  # cannot happen: a decision, once made, stays
                     raise RuntimeError(f"fxcoalesce[{self.name}]: the agreement moved from "
                                        f"step {step} to {redo.step} and back") from None
-                step = redo.step
+                step, self.agreement = redo.step, redo.agreement
         self.closed = True  # a graph compiled later (a lazy backward) is not agreed on
         errors = [a.error for a in agreed if a.error]
         if errors:
@@ -209,9 +219,11 @@ class GraphCompile:
                                            name=self.name)
                 return new
             a = rewrite_agreed(graph_module, self.cfg, self.name, self.check_ranks,
-                               on_graph=self.on_graph, frame=self.frame)
+                               frame=self.frame, agreement=self.agreement)
             if a.error is None and a.step != step and self.cfg.codegen != "eager":
-                raise _Redo(a.step)  # Inductor's caches are keyed on ``step``
+                raise _Redo(a.step, a.report.agreement)  # the caches are keyed on ``step``
+            if a.error is None:
+                keep(a, self.cfg, self.name, graph_module, self.on_graph)
             agreed.append(a)
             return graph_module if a.error else a.graph
 
@@ -247,9 +259,9 @@ class GraphCompile:
                                   a.workspaces, check_ranks=self.check_ranks, frame=self.frame)
             outcome, notes = prepared(outcome, self.cfg, a.sequences, self.name)
             if outcome.error is None and outcome.step != step:
-                raise _Redo(outcome.step)
+                raise _Redo(outcome.step, outcome.agreement.as_dict())
             a.step, a.error = outcome.step, outcome.error
-            report.agreement = outcome.agreement.as_dict()
+            report.agreement = self.agreement or outcome.agreement.as_dict()
             report.warnings += notes
         trace_artifacts_of_hit(report)
         return a
