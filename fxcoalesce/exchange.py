@@ -22,6 +22,7 @@ import logging
 import os
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch.distributed as dist
@@ -29,7 +30,7 @@ import torch.distributed as dist
 from .agreement import (TIMEOUT_ENV, Agreement, Step, canonical, decide, program_step,
                         timeout_s)
 from .config import Config
-from .rank_check import Sequence
+from .rank_check import Sequence, _resolve
 
 log = logging.getLogger("fxcoalesce")
 NAMESPACE = "fxcoalesce/agree/v1"
@@ -85,18 +86,33 @@ class Exchange:
         return [json.loads(x) for x in self.store.get(key).decode().splitlines() if x]
 
 
-_EXCHANGES: dict[int, Exchange] = {}
+@dataclass(slots=True)
+class RankEnv:
+    """What the agreement reads of this rank's process: its exchange, what it knows of each
+    program key, and its groups' members and stream positions. ``process_env()`` is the
+    real one; a test can make one per simulated rank over one in-memory store."""
+
+    exchange: Exchange
+    members: Callable[[str], list[int]]
+    position: Callable[[str], int | None]
+    local: dict = field(default_factory=dict)
+    """Program key -> :class:`_Local`."""
 
 
-def current_exchange() -> Exchange:
-    """The exchange of the default process group's store."""
+_ENVS: dict[int, RankEnv] = {}
+
+
+def process_env() -> RankEnv:
+    """The env of this process's default process group (its store, its groups)."""
     store = dist.distributed_c10d._get_default_store()
-    if id(store) not in _EXCHANGES:
+    if id(store) not in _ENVS:
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        _EXCHANGES.clear()  # a new default group: the old keys belong to another job
-        _LOCAL.clear()
-        _EXCHANGES[id(store)] = Exchange(store, dist.get_rank(), f"{NAMESPACE}/{restart}")
-    return _EXCHANGES[id(store)]
+        _ENVS.clear()  # a new default group: the old keys belong to another job
+        ex = Exchange(store, dist.get_rank(), f"{NAMESPACE}/{restart}")
+        _ENVS[id(store)] = RankEnv(
+            ex, members=lambda g: dist.get_process_group_ranks(_resolve(g)),
+            position=lambda g: _position(_resolve(g)))
+    return _ENVS[id(store)]
 
 
 @dataclass(slots=True)
@@ -131,17 +147,8 @@ class _Local:
     """The agreed sequence is not the program's own."""
 
 
-_LOCAL: dict[str, _Local] = {}
-
-
 def _digest(texts: list[str]) -> str:
     return hashlib.sha256("\n".join(texts).encode()).hexdigest()[:24]
-
-
-def _resolve(name: str):
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    return _resolve_process_group(name)
 
 
 def _position(group) -> int | None:
@@ -171,31 +178,31 @@ def _config_key(cfg: Config) -> str:
 
 def agree_graph(name: str, cfg: Config, steps: list[Step], program: Sequence,
                 sequences: list[Sequence], workspaces: list[int], *, check_ranks: bool,
-                frame: str = "") -> Outcome:
+                frame: str = "", env: RankEnv | None = None) -> Outcome:
     """Agree with the ranks sharing this graph's groups on which of ``steps`` to compile.
     ``sequences[i]`` / ``workspaces[i]``: what step i issues on this rank and the symmetric
     workspace it sizes (bytes, by size hints); ``frame``: :func:`frame_identity` (part of
     the program key: a recompile of one function keeps its key, another function's graph
     with the same collectives does not share it)."""
-    ex = current_exchange()
+    env = env or process_env()
+    ex = env.exchange
     canon, prog, texts = canonical(program, *sequences)
     groups = [g for g in canon.roles if g is not None]
-    pgs = {g: _resolve(g) for g in groups}
-    members = {g: dist.get_process_group_ranks(pgs[g]) for g in groups}
+    members = {g: env.members(g) for g in groups}
     sizes = [f"{canon.role(g)}={len(members[g])}" for g in groups]
     d = hashlib.sha256("\n".join([_config_key(cfg), frame, *sizes, *prog]).encode()
                        ).hexdigest()[:32]
     digests = [_digest(t) for t in texts]
     evident = all(t == prog for t in texts)
-    run = _Run(name, cfg, ex, d, steps, program, canon, check_ranks)
-    mine = _LOCAL.get(d)
+    run = _Run(name, cfg, env, d, steps, program, canon, check_ranks)
+    mine = env.local.get(d)
     if mine is None:
         run.proposal = {"groups": [[g, members[g]] for g in groups],
-                        "pos": {g: _position(pgs[g]) for g in groups},
+                        "pos": {g: env.position(g) for g in groups},
                         "steps": [{"seq": t, "ws": w} for t, w in zip(texts, workspaces)],
                         "evident": evident}
         first = ex.propose(d, run.proposal)
-        mine = _LOCAL[d] = _Local(evident=first["evident"])
+        mine = env.local[d] = _Local(evident=first["evident"])
         run.proposal = first
         ex.note({"d": d, "pos": first["pos"], "first": {g: _first(program, g) for g in groups}})
     else:
@@ -228,11 +235,11 @@ def agree_graph(name: str, cfg: Config, steps: list[Step], program: Sequence,
     return out
 
 
-def without_symm(outcome: Outcome) -> Outcome:
+def without_symm(outcome: Outcome, env: RankEnv | None = None) -> Outcome:
     """``outcome`` moved to its step without symmetric memory (preparing it failed, on
     every rank alike): this process issues that step's sequence for the key from now on."""
     step = outcome.nosymm if outcome.nosymm is not None else len(outcome.digests) - 1
-    _LOCAL[outcome.key].active = outcome.digests[step]
+    (env or process_env()).local[outcome.key].active = outcome.digests[step]
     return replace(outcome, step=step, fresh=False)
 
 
@@ -258,10 +265,11 @@ _SYMBOLS = re.compile(r"\b[suq]\d+\b")
 class _Run:
     """One rank's agreement on program key ``d``."""
 
-    def __init__(self, name, cfg, ex, d, steps, program, canon, check_ranks):
-        self.name, self.cfg, self.ex, self.d, self.steps = name, cfg, ex, d, steps
+    def __init__(self, name, cfg, env, d, steps, program, canon, check_ranks):
+        self.name, self.cfg, self.d, self.steps = name, cfg, d, steps
+        self.env, self.ex = env, env.exchange
         self.program, self.canon, self.check_ranks = program, canon, check_ranks
-        self.rank, self.proposal = ex.rank, {}
+        self.rank, self.proposal = self.ex.rank, {}
 
     def _entry_of(self, entries: list[dict]) -> dict | None:
         return next((e for e in entries if self.rank in e["ranks"]), None)
@@ -301,7 +309,8 @@ class _Run:
                         "different ranks (%s); it runs as written, as plain torch.compile "
                         "would run it", self.name, entry["why"])
         elif how in ("timed out", "cut differently"):
-            hazard = _HAZARD if how == "timed out" and _any_rewrite() else ""
+            hazard = (_HAZARD if how == "timed out" and any(v.rewritten for v in
+                                                             self.env.local.values()) else "")
             log.warning("fxcoalesce[%s]: %s: every rank runs this graph in the program's own "
                         "collective order (Config.agree_timeout_s or %s sets the wait)%s",
                         self.name, entry["why"], TIMEOUT_ENV, hazard)
@@ -380,11 +389,6 @@ def _folded(lines: list[dict]) -> list[dict]:
         key = (line["d"], json.dumps(line["pos"], sort_keys=True))
         out.setdefault(key, {"first": {}}).update(line)
     return list(out.values())
-
-
-def _any_rewrite() -> bool:
-    """Does this process run a graph whose agreed sequence is not the program's own?"""
-    return any(v.rewritten for v in _LOCAL.values())
 
 
 _HAZARD = (". If a peer already runs this stretch of the program rewritten (this rank "
