@@ -52,11 +52,11 @@ def symm_unusable(key: Key, world: int | None, backend: str | None, cfg: Config)
     can, as far as rank-invariant facts tell)."""
     if cfg.codegen != "inductor":
         return "the eager codegen cannot place inputs in symmetric memory"
-    if not key.device.startswith("cuda"):
+    if not key.device.startswith("cuda") and not runs_reference(key):
         return f"tensors on {key.device}: symmetric memory needs CUDA"
     if key.group is None or key.group.startswith("<"):  # collectives.group_identity
         return "a group the graph computes: the symmetric-memory ops take a group's name"
-    if backend != "nccl":
+    if backend != "nccl" and not runs_reference(key):
         return f"a {backend or 'unknown'} group: symmetric memory needs an NCCL group"
     if key.op != "sum":
         return f"op {key.op}: the symmetric-memory kernels only sum"
@@ -65,6 +65,14 @@ def symm_unusable(key: Key, world: int | None, backend: str | None, cfg: Config)
     if world not in SYMM_WORLDS:
         return f"world size {world}: the kernels run at 1, 2, 4 or 8 ranks"
     return None
+
+
+def runs_reference(key: Key) -> bool:
+    """Whether ``key``'s all_reduce is lowered to reference implementations: tensors off CUDA
+    under ``fxcoalesce.testing.reference_lowering`` (test-only)."""
+    from .testing import reference_lowering_active
+
+    return reference_lowering_active() and not key.device.startswith("cuda")
 
 
 def op_available(impl: str) -> str | None:
@@ -138,6 +146,8 @@ def options(key: Key, nbytes: int, world: int | None, backend: str | None, cfg: 
             reason = blocked or cfg.cost.impl_missing(impl, nbytes) or op_available(impl)
             if reason is None and impl == "two_shot" and under_cudagraphs():
                 reason = CUDAGRAPH_P2P
+            if reason is None and impl == "two_shot" and runs_reference(key):
+                reason = "reference lowering: the two-shot has no reference implementation"
         if reason is None:
             costs[impl] = cfg.cost.impl_us(impl, nbytes, world or 2)
         else:
@@ -147,8 +157,11 @@ def options(key: Key, nbytes: int, world: int | None, backend: str | None, cfg: 
 
 def profile_tag(cfg: Config) -> str:
     """What a lowered collective's description says of the profile that chose it."""
+    from .testing import reference_lowering_active
+
     p = cfg.cost.profile
-    return f"profile {p.digest[:12]}" if p is not None and p.digest else "no profile"
+    tag = f"profile {p.digest[:12]}" if p is not None and p.digest else "no profile"
+    return tag + ", reference lowering" if reference_lowering_active() else tag
 
 
 def symm_groups(sequence) -> list[str]:
@@ -161,14 +174,17 @@ def symm_problem(sequence, nbytes: int = 0) -> str | None:
     """Test symmetric memory for real on every group ``sequence`` runs it on (a collective
     check, the same on every rank: ranks agreed on ``sequence``) and prepare it for
     all_reduces of up to ``nbytes`` (``kernels.symm.prepare``: nothing is allocated later,
-    under CUDA graphs); why it cannot be used, or None. Fake groups (tracing) are skipped."""
+    under CUDA graphs); why it cannot be used, or None. Only NCCL groups run symmetric
+    memory: others (fake groups while tracing, gloo ones under
+    ``testing.reference_lowering``, whose ops run their references) are skipped, with no
+    collective."""
     import torch.distributed as dist
 
     from .rank_check import _resolve
 
     for name in symm_groups(sequence):
         try:
-            if dist.get_backend(_resolve(name)) == "fake":
+            if dist.get_backend(_resolve(name)) != "nccl":
                 continue
         except Exception:  # a group name nothing here resolves (hand-built graphs)
             continue

@@ -10,7 +10,8 @@ ones...). Values are the same sums, in another order. The new op takes the colle
 in the issue order and names the program's collective and the profile in its description,
 so ranks compare both. Inductor realises the input in symmetric memory: the producing kernel
 writes straight into a P2P buffer (whose id the pass makes this graph's own:
-``lowering.distinct_p2p_ids``); under CUDA graphs the one-shot runs on a copy instead.
+``lowering.distinct_p2p_ids``); under CUDA graphs the one-shot runs on a copy instead, and
+so it does, as its reference, for CPU tensors under ``fxcoalesce.testing.reference_lowering``.
 
     before                                        after
     %ar = all_reduce(%x, "sum", "0")              %y = symm_mem.one_shot_all_reduce(%x, "sum", "0")
@@ -27,7 +28,8 @@ import fxcoalesce.kernels  # noqa: F401  (registers fxcoalesce::one_shot_all_red
 from fxcoalesce.analysis import analyze
 from fxcoalesce.config import Config
 from fxcoalesce.kernels.fakes import ensure_symm_mem_fakes
-from fxcoalesce.lowering import CUDAGRAPH_P2P, distinct_p2p_ids, profile_tag, under_cudagraphs
+from fxcoalesce.lowering import (CUDAGRAPH_P2P, distinct_p2p_ids, profile_tag, runs_reference,
+                                 under_cudagraphs)
 from fxcoalesce.meta import (ORIGIN, REPLACES, fake_mode_of, origin, propagate_val, replaced,
                              tensor_val)
 
@@ -58,11 +60,13 @@ def lower_pass(gm: GraphModule, *, cfg: Config) -> PassResult:
             continue
         x, group = b.input, b.group  # a name (lowering.symm_unusable)
         with graph.inserting_before(b.collective):
-            if chosen == "one_shot" and under_cudagraphs():  # on a copy (lowering.CUDAGRAPH_P2P)
+            reference = runs_reference(b.key)  # testing.reference_lowering: CPU tensors
+            if chosen == "one_shot" and (reference or under_cudagraphs()):  # on a copy
                 new = graph.call_function(torch.ops.fxcoalesce.one_shot_all_reduce.default,
                                           (x, group))
                 propagate_val(new, mode)
-                record["variant"] = "copy-in: " + CUDAGRAPH_P2P
+                if not reference:  # its reference needs no workspace
+                    record["variant"] = "copy-in: " + CUDAGRAPH_P2P
             elif chosen == "one_shot":
                 new = graph.call_function(torch.ops.symm_mem.one_shot_all_reduce.default,
                                           (x, "sum", group))
