@@ -6,10 +6,19 @@ Requires: comm blocks; runs before ``lower``. Matches, after the wait of a sum a
 last dim (the pre-norm decoder's step after attention and after the MLP); or an RMSNorm of
 the wait itself (the first layer's form, whose reduced value is the residual). The norm is
 ``aten.rms_norm``, ``aten._fused_rms_norm``, or the decomposed form models write by hand and
-AOTAutograd emits, with or without fp32 upcasts and weight:
+AOTAutograd emits, with or without weight, computed in fp32 (a bf16 ``x`` upcast first):
 
-    c = x.float(); r = rsqrt(mean(c * c | c ** 2, -1, keepdim) + eps); y = c * r
-    out = (y * w).to(x.dtype)      or      out = w * y.to(x.dtype)
+    c = x.float(); r = rsqrt(mean(c * c | c ** 2, -1, keepdim) + eps); y = c * r | r * c
+    out = (y * w).to(x.dtype)      or      out = w * y.to(x.dtype)   (w * y, y * w alike)
+
+It matches exactly what it replaces: every argument of every matched op is read by its
+schema name, defaults filled in (``_call``), and must be as above, else no match: the residual
+add's and eps's ``alpha`` 1 (``add(mean, 1.0, alpha=100)`` is mean + 100, no eps), eps a
+number on the right of the add, the square ``pow`` exponent 2 (or ``c * c``), ``mean`` (no
+``sum``, ``amax``) over the last dim only, ``keepdim=True``, its dtype none or fp32, ``rsqrt``
+(no ``sqrt``/``reciprocal``), casts that change nothing but the dtype, ``normalized_shape``
+``[H]``, the weight ``[H]`` of ``x``'s dtype or fp32; an argument a later torch adds is no
+match either. tests/test_fuse_norm_property.py draws look-alikes and checks it.
 
 Ensures: the matched nodes become one op whose outputs are the normalised value (for the
 norm's consumers) and the new residual (for the sum's other consumers, usually the next

@@ -29,7 +29,7 @@ CANON = {"dtype": F32, "direct": False, "upcast": "convert", "square": "pow2",
          "reduce": "mean", "dims": [-1], "keepdim": True, "mean_dtype": None,
          "eps_op": "add.Scalar", "eps": 1e-5, "alpha": None, "rs": "rsqrt", "y": "c*rs",
          "weight": "H", "weight_side": "y*w", "weight_first": True, "cast_back": "same",
-         "residual": True, "residual_alpha": None}
+         "residual": True, "residual_alpha": None, "norm_shape": [H]}
 TRUE = {"upcast": {"convert", "to_copy", "none"}, "square": {"pow2", "pow2.0", "c*c"},
         "reduce": {"mean"}, "dims": {(-1,), (2,)}, "keepdim": {True},
         "mean_dtype": {None, F32}, "eps_op": {"add.Scalar", "add.Tensor"},
@@ -45,7 +45,8 @@ VARIANTS = {
     "reduce": ["mean", "sum", "amax"], "dims": [[-1], [2], [1], [-1, -2]],
     "keepdim": [True, False], "mean_dtype": [None, F32],
     "eps_op": ["add.Scalar", "add.Tensor", "sub", "after_rsqrt", "mul"],
-    "eps": [1e-5, 1e-6, 0.5], "alpha": [None, 1, 1.0, 100.0, -1.0, 2],
+    "eps": [1e-5, 1e-6, 0.5, None], "norm_shape": [[H], [SHAPE[1], H]],
+    "alpha": [None, 1, 1.0, 100.0, -1.0, 2],
     "rs": ["rsqrt", "sqrt", "reciprocal(sqrt)"], "y": ["c*rs", "rs*c", "source*rs", "c+rs"],
     "weight": ["H", None, "1H", "HH", "H_f64", "scalar"], "weight_side": ["y*w", "w*y"],
     "weight_first": [True, False], "cast_back": ["same", "none", "other"],
@@ -54,8 +55,11 @@ VARIANTS = {
 
 
 def is_true_norm(p: dict) -> bool:
+    if not p["residual"]:  # no residual add: its alpha is nowhere
+        p = {**p, "residual_alpha": None}
     if p["direct"]:
-        return p["weight"] == "H" and p["residual_alpha"] in (None, 1)
+        return (p["weight"] == "H" and p["residual_alpha"] in (None, 1)
+                and p["norm_shape"] == [H])
     if any((tuple(p[k]) if isinstance(p[k], list) else p[k]) not in ok
            for k, ok in TRUE.items()):
         return False
@@ -88,7 +92,7 @@ def build(p: dict):
 
 
 def direct(b: GraphBuilder, s, w, p):
-    return b.call(aten.rms_norm.default, s, [H], w, p["eps"])
+    return b.call(aten.rms_norm.default, s, p["norm_shape"], w, p["eps"])
 
 
 def decomposed(b: GraphBuilder, s, w, p):
