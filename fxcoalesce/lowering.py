@@ -16,7 +16,9 @@ lowered collective's description names the profile's digest, so ranks with diffe
 profiles see it when they compare). Whether symmetric memory works is tested for real,
 collectively, once ranks agreed on a sequence that uses it (``graph_compile``). A profile
 without an implementation's curve, or a size past its largest calibrated one, rules that
-implementation out; the reason goes into the report.
+implementation out; the reason goes into the report. Tests lift the CUDA and NCCL rules for
+tensors off CUDA with ``fxcoalesce.testing.reference_lowering`` (``runs_reference``): the ops
+then run their references, and descriptions say so.
 """
 
 from __future__ import annotations
