@@ -88,9 +88,11 @@ def compile_key(fingerprint: str, config_repr: str, patches: dict) -> str:
     the Config, the group setup, the Inductor patches, and whether Inductor's global config
     asks for CUDA graphs (the lowering rewrites differently then)."""
     from .lowering import under_cudagraphs
+    from .testing import reference_lowering_active
 
     text = "|".join([fingerprint, config_repr, group_setup_key(), _describe_patches(patches),
-                     f"cudagraphs={under_cudagraphs()}"])
+                     f"cudagraphs={under_cudagraphs()}",
+                     f"reference={reference_lowering_active()}"])
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 

@@ -20,7 +20,9 @@ lowered collective's description names the profile's digest, so ranks with diffe
 profiles see it when they compare). Whether symmetric memory works is tested for real,
 collectively, once ranks agreed on a sequence that uses it (``graph_compile``). A profile
 without an implementation's curve, or a size past its largest calibrated one, rules that
-implementation out; the reason goes into the report.
+implementation out; the reason goes into the report. Tests lift the CUDA and NCCL rules for
+tensors off CUDA with ``fxcoalesce.testing.reference_lowering`` (``runs_reference``): the ops
+then run their references, and descriptions say so.
 """
 
 from __future__ import annotations
@@ -58,11 +60,11 @@ def symm_unusable(key: Key, world: int | None, backend: str | None, cfg: Config)
     can, as far as rank-invariant facts tell)."""
     if cfg.codegen != "inductor":
         return "the eager codegen cannot place inputs in symmetric memory"
-    if not key.device.startswith("cuda"):
+    if not key.device.startswith("cuda") and not runs_reference(key):
         return f"tensors on {key.device}: symmetric memory needs CUDA"
     if key.group is None or key.group.startswith("<"):  # collectives.group_identity
         return "a group the graph computes: the symmetric-memory ops take a group's name"
-    if backend != "nccl":
+    if backend != "nccl" and not runs_reference(key):
         return f"a {backend or 'unknown'} group: symmetric memory needs an NCCL group"
     if key.op != "sum":
         return f"op {key.op}: the symmetric-memory kernels only sum"
@@ -71,6 +73,14 @@ def symm_unusable(key: Key, world: int | None, backend: str | None, cfg: Config)
     if world not in SYMM_WORLDS:
         return f"world size {world}: the kernels run at 1, 2, 4 or 8 ranks"
     return None
+
+
+def runs_reference(key: Key) -> bool:
+    """Whether ``key``'s all_reduce is lowered to reference implementations: tensors off CUDA
+    under ``fxcoalesce.testing.reference_lowering`` (test-only)."""
+    from .testing import reference_lowering_active
+
+    return reference_lowering_active() and not key.device.startswith("cuda")
 
 
 def op_available(impl: str) -> str | None:
@@ -167,6 +177,8 @@ def options(key: Key, nbytes: int, world: int | None, backend: str | None, cfg: 
                       or backend_problem(impl))
             if reason is None and impl == "two_shot" and under_cudagraphs():
                 reason = CUDAGRAPH_P2P
+            if reason is None and impl == "two_shot" and runs_reference(key):
+                reason = "reference lowering: the two-shot has no reference implementation"
         if reason is None:
             costs[impl] = cfg.cost.impl_us(impl, nbytes, world or 2)
         else:
@@ -176,8 +188,11 @@ def options(key: Key, nbytes: int, world: int | None, backend: str | None, cfg: 
 
 def profile_tag(cfg: Config) -> str:
     """What a lowered collective's description says of the profile that chose it."""
+    from .testing import reference_lowering_active
+
     p = cfg.cost.profile
-    return f"profile {p.digest[:12]}" if p is not None and p.digest else "no profile"
+    tag = f"profile {p.digest[:12]}" if p is not None and p.digest else "no profile"
+    return tag + ", reference lowering" if reference_lowering_active() else tag
 
 
 def symm_groups(sequence, ops=None) -> list[str]:
@@ -192,7 +207,9 @@ def symm_problem(sequence, nbytes: int = 0) -> str | None:
     check, the same on every rank: ranks agreed on ``sequence``) and prepare it for
     all_reduces of up to ``nbytes`` (``kernels.symm.prepare``, or ``kernels.nccl_symm.prepare``
     on a group running nccl_symm: nothing is allocated later, under CUDA graphs); why it
-    cannot be used, or None. Fake groups (tracing) are skipped."""
+    cannot be used, or None. Only NCCL groups run symmetric memory: others (fake groups while
+    tracing, gloo ones under ``testing.reference_lowering``, whose ops run their references)
+    are skipped, with no collective."""
     import torch.distributed as dist
 
     from .rank_check import _resolve
@@ -200,7 +217,7 @@ def symm_problem(sequence, nbytes: int = 0) -> str | None:
     nccl_groups = symm_groups(sequence, [SYMM_OPS[NCCL_SYMM]])
     for name in symm_groups(sequence):
         try:
-            if dist.get_backend(_resolve(name)) == "fake":
+            if dist.get_backend(_resolve(name)) != "nccl":
                 continue
         except Exception:  # a group name nothing here resolves (hand-built graphs)
             continue

@@ -6,10 +6,19 @@ Requires: comm blocks; runs before ``lower``. Matches, after the wait of a sum a
 last dim (the pre-norm decoder's step after attention and after the MLP); or an RMSNorm of
 the wait itself (the first layer's form, whose reduced value is the residual). The norm is
 ``aten.rms_norm``, ``aten._fused_rms_norm``, or the decomposed form models write by hand and
-AOTAutograd emits, with or without fp32 upcasts and weight:
+AOTAutograd emits, with or without weight, computed in fp32 (a bf16 ``x`` upcast first):
 
-    c = x.float(); r = rsqrt(mean(c * c | c ** 2, -1, keepdim) + eps); y = c * r
-    out = (y * w).to(x.dtype)      or      out = w * y.to(x.dtype)
+    c = x.float(); r = rsqrt(mean(c * c | c ** 2, -1, keepdim) + eps); y = c * r | r * c
+    out = (y * w).to(x.dtype)      or      out = w * y.to(x.dtype)   (w * y, y * w alike)
+
+It matches exactly what it replaces: every argument of every matched op is read by its
+schema name, defaults filled in (``_call``), and must be as above, else no match: the residual
+add's and eps's ``alpha`` 1 (``add(mean, 1.0, alpha=100)`` is mean + 100, no eps), eps a
+number on the right of the add, the square ``pow`` exponent 2 (or ``c * c``), ``mean`` (no
+``sum``, ``amax``) over the last dim only, ``keepdim=True``, its dtype none or fp32, ``rsqrt``
+(no ``sqrt``/``reciprocal``), casts that change nothing but the dtype, ``normalized_shape``
+``[H]``, the weight ``[H]`` of ``x``'s dtype or fp32; an argument a later torch adds is no
+match either. tests/test_fuse_norm_property.py draws look-alikes and checks it.
 
 Ensures: the matched nodes become one op whose outputs are the normalised value (for the
 norm's consumers) and the new residual (for the sum's other consumers, usually the next
@@ -30,10 +39,12 @@ so ranks compare the result (``agreement``: a different eps shows in the descrip
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch.fx import GraphModule, Node
+from torch.fx.operator_schemas import normalize_function
 
 import fxcoalesce.kernels  # noqa: F401  (registers the fused op, also for cached code)
 from fxcoalesce.analysis import analyze
@@ -42,13 +53,13 @@ from fxcoalesce.cost import Roofline, graph_device, node_us
 from fxcoalesce.graph_order import reorder
 from fxcoalesce.lowering import FUSED, profile_tag
 from fxcoalesce.meta import (ORIGIN, REPLACES, fake_mode_of, is_scalar, origin, propagate_val,
-                             replaced, tensor_val)
+                             replaced, same_shape, tensor_val)
 
 from .decide import MIN_SAVING_SHARE, MIN_SAVING_US, Decider
 from .result import Bucket, PassResult
 
 aten, prims = torch.ops.aten, torch.ops.prims
-CONVERTS = (prims.convert_element_type.default, aten._to_copy.default)
+F32 = torch.float32
 
 
 @dataclass(slots=True)
@@ -66,7 +77,7 @@ def _only_user(n: Node) -> Node | None:
 
 
 def _is(n: Node | None, *targets) -> bool:
-    return n is not None and n.op == "call_function" and n.target in targets
+    return isinstance(n, Node) and n.op == "call_function" and n.target in targets
 
 
 def _other(n: Node, known: Node):
@@ -75,62 +86,126 @@ def _other(n: Node, known: Node):
     return b if a is known else a if b is known else None
 
 
-def _last_dim(dims, ndim: int) -> bool:
-    return list(dims) in ([-1], [ndim - 1])
+def ANY(_) -> bool:
+    """For an argument that cannot change the values (``non_blocking``, a copy's layout)."""
+    return True
+
+
+def _call(n: Node | None, targets, **want) -> dict | None:
+    """``n``'s arguments by schema name (defaults filled in) if it calls one of ``targets``
+    with every argument as ``want`` says: a node (that node), a predicate, or a value (equal);
+    else None. An argument ``want`` does not name (one a later torch adds) is no match."""
+    if not _is(n, *targets):
+        return None
+    bound = normalize_function(n.target, n.args, n.kwargs, normalize_to_only_use_kwargs=True)
+    if bound is None or set(bound.kwargs) != set(want):
+        return None
+    args = bound.kwargs
+    ok = all(v is w if isinstance(w, Node) else w(v) if callable(w) else
+             (not isinstance(v, Node) and v == w) for v, w in ((args[k], want[k]) for k in want))
+    return args if ok else None
+
+
+def _pair(n: Node | None, target, a, b, **rest) -> tuple[Node, object] | None:
+    """(``n``, its operand matching ``b``) if ``n`` is ``target(a, b)`` or ``target(b, a)``
+    (each a node or a predicate; ``rest``: the other arguments)."""
+    for x, y in ((a, b), (b, a)):
+        args = _call(n, (target,), input=x, other=y, **rest)
+        if args is not None:
+            return n, args["other"] if x is a else args["input"]
+    return None
+
+
+def _one(v) -> bool:
+    return is_scalar(v) and v == 1
+
+
+def _cast(n: Node | None, x: Node, dtype: torch.dtype) -> bool:
+    """``n`` converts ``x`` to ``dtype`` and does nothing else."""
+    if _call(n, (prims.convert_element_type.default,), a=x, dtype=dtype):
+        return True
+    device = tensor_val(x).device
+    return _call(n, (aten._to_copy.default,), input=x, dtype=dtype,
+                 layout=lambda v: v in (None, torch.strided),
+                 device=lambda v: v is None or torch.device(v) == device,
+                 pin_memory=lambda v: not v, non_blocking=ANY, memory_format=ANY) is not None
+
+
+def _last_dim(ndim: int):
+    return lambda dims: isinstance(dims, (list, tuple)) and list(dims) in ([-1], [ndim - 1])
+
+
+def _weight(val) -> Callable[[object], bool]:
+    """A weight the kernel takes for ``val``: a tensor of shape [hidden], of ``val``'s dtype
+    or float32 (the kernel multiplies in float32: a float64 weight would not)."""
+    def ok(w) -> bool:
+        v = tensor_val(w)
+        return (v is not None and v.dtype in (val.dtype, F32)
+                and same_shape(v.shape, [val.shape[-1]]))
+    return ok
 
 
 def match_norm(source: Node) -> Norm | None:
-    """The RMSNorm of ``source`` (its whole consumer, besides other readers of ``source``)."""
+    """The RMSNorm of ``source`` (its whole consumer, besides other readers of ``source``),
+    every argument of every op checked; None for anything else."""
     val = tensor_val(source)
-    if val is None:
+    if val is None or val.dim() < 1:
         return None
+    hidden = val.shape[-1]
     for user in source.users:
-        if _is(user, aten.rms_norm.default, aten._fused_rms_norm.default):
-            return _direct(user, source, val)
-    start = source
-    conv = next((u for u in source.users if _is(u, *CONVERTS)
-                 and tensor_val(u) is not None and tensor_val(u).dtype == torch.float32), None)
-    if conv is not None:
-        start = conv
-    return _decomposed(source, start, val)
+        args = _call(user, (aten.rms_norm.default, aten._fused_rms_norm.default), input=source,
+                     normalized_shape=lambda s: same_shape(list(s), [hidden]),
+                     weight=lambda w: w is None or _weight(val)(w),
+                     eps=lambda e: e is None or is_scalar(e))
+        if args is not None:
+            return _direct(user, args["weight"], args["eps"])
+    # computed in float32: on the value itself, or on its upcast
+    starts = [source] if val.dtype == F32 else []
+    starts += [u for u in source.users if _cast(u, source, F32)]
+    return next((n for n in (_decomposed(source, c, val) for c in starts) if n), None)
 
 
-def _direct(n: Node, source: Node, val) -> Norm | None:
-    shape, weight, eps = (list(n.args[1:]) + [None, None])[:3]
-    if n.kwargs or list(shape) != [val.shape[-1]] or not (eps is None or is_scalar(eps)):
-        return None
+def _direct(n: Node, weight: Node | None, eps) -> Norm | None:
     if eps is None:  # aten's decomposition: float32's eps (the kernel computes in float32)
         eps = torch.finfo(torch.float32).eps
     if n.target is aten._fused_rms_norm.default:  # (out, rstd): only the output is read
         outs = list(n.users)
         if len(outs) != 1 or not _is(outs[0], operator.getitem) or outs[0].args[1] != 0:
             return None
-        return Norm([n, outs[0]], outs[0], weight, eps)
-    return Norm([n], n, weight, eps)
+        return Norm([n, outs[0]], outs[0], weight, float(eps))
+    return Norm([n], n, weight, float(eps))
 
 
 def _decomposed(source: Node, c: Node, val) -> Norm | None:
-    sq = next((u for u in c.users if (_is(u, aten.pow.Tensor_Scalar) and u.args[1] == 2)
-               or (_is(u, aten.mul.Tensor) and u.args[0] is c and u.args[1] is c)), None)
+    """``c * rsqrt(mean(c * c | c ** 2, [-1], keepdim=True) + eps)``, then optionally the
+    weight and the cast back to ``source``'s dtype in either order; ``c`` is ``source`` in
+    float32."""
+    sq = next((u for u in c.users
+               if _call(u, (aten.pow.Tensor_Scalar,), input=c,
+                        exponent=lambda e: is_scalar(e) and e == 2)
+               or _call(u, (aten.mul.Tensor,), input=c, other=c)), None)
     mean = _only_user(sq) if sq is not None else None
-    if not (_is(mean, aten.mean.dim) and _last_dim(mean.args[1], val.dim())
-            and (mean.args[2:3] == (True,) or mean.kwargs.get("keepdim"))):
+    if not _call(mean, (aten.mean.dim,), input=sq, dim=_last_dim(val.dim()),
+                 keepdim=lambda k: k is True, dtype=lambda d: d in (None, F32)):
         return None
     add = _only_user(mean)
-    if not (_is(add, aten.add.Scalar, aten.add.Tensor) and is_scalar(add.args[1])):
+    args = _call(add, (aten.add.Tensor, aten.add.Scalar), input=mean, other=is_scalar,
+                 alpha=_one)  # eps, the right operand: add(mean, 1.0, alpha=100) is no norm
+    if args is None:
         return None
+    eps = float(args["other"])
     rs = _only_user(add)
-    y = _only_user(rs) if _is(rs, aten.rsqrt.default) else None
-    if not (_is(y, aten.mul.Tensor) and _other(y, rs) is c):
+    y = _only_user(rs) if _call(rs, (aten.rsqrt.default,), input=add) else None
+    if not _pair(y, aten.mul.Tensor, c, rs):
         return None
     nodes, out, weight = [sq, mean, add, rs, y], y, None
     # optional cast back and weight, in either order
     for _ in range(2):
         nxt = _only_user(out)
-        if _is(nxt, *CONVERTS) and tensor_val(nxt).dtype == val.dtype:
+        if _cast(nxt, out, val.dtype):
             out = nxt
-        elif weight is None and _is(nxt, aten.mul.Tensor) and isinstance(_other(nxt, out), Node):
-            weight, out = _other(nxt, out), nxt
+        elif weight is None and (w := _pair(nxt, aten.mul.Tensor, out, _weight(val))):
+            out, weight = w
         else:
             break
         nodes.append(out)
@@ -139,9 +214,9 @@ def _decomposed(source: Node, c: Node, val) -> Norm | None:
         return None
     if any(len(n.users) != 1 for n in nodes[:-1]) or tensor_val(out).dtype != val.dtype:
         return None
-    if weight is not None and list(tensor_val(weight).shape) != [val.shape[-1]]:
+    if weight in nodes or weight is c:
         return None
-    return Norm(([c] if c is not source else []) + nodes, out, weight, float(add.args[1]))
+    return Norm(([c] if c is not source else []) + nodes, out, weight, eps)
 
 
 @dataclass(slots=True)
@@ -164,7 +239,7 @@ def find_sites(analysis) -> list[Site]:
             continue
         users = list(b.wait.users)
         add = users[0] if len(users) == 1 else None
-        if _is(add, aten.add.Tensor) and not add.kwargs and _is_tensor_like(add, b.wait):
+        if _pair(add, aten.add.Tensor, b.wait, ANY, alpha=_one) and _is_tensor_like(add, b.wait):
             norm = match_norm(add)
             if norm is not None:
                 sites.append(Site(b, _other(add, b.wait), add, norm))

@@ -27,8 +27,10 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
-from fxcoalesce.meta import numel, same_shape, tensor_val
+from fxcoalesce.meta import (numel, propagate_val, same_shape, size_hint, tensor_val,
+                             tensor_vals)
 
 from .emit import Emitter
 
@@ -105,3 +107,78 @@ def replay(emit: Emitter, x: Node, chain: LayoutChain) -> Node:
         target = aten.reshape.default if op.target in VIEWS else op.target
         x = emit(target, x, *op.args[1:], **op.kwargs)
     return x
+
+
+def output_strides(graph) -> list[tuple | None]:
+    """The strides of each graph output, in output order (None where it is not a tensor)."""
+    (out,) = graph.find_nodes(op="output")
+    return [tuple(v.stride()) if (v := tensor_val(leaf)) is not None else None
+            for leaf in tree_leaves(out.args)]
+
+
+def refresh_vals(changed: Node, mode) -> None:
+    """Recompute ``meta["val"]`` downstream of ``changed``, whose value now has another layout,
+    as far as layouts change: a view of it, or an op whose output follows its input's strides
+    (elementwise ops), would keep stale strides otherwise."""
+    position = {n: i for i, n in enumerate(changed.graph.nodes)}
+    todo = {u: position[u] for u in changed.users}
+    while todo:
+        node = min(todo, key=todo.__getitem__)
+        del todo[node]
+        if node.op != "call_function":
+            continue
+        before = [_layout(v) for v in tensor_vals(node)]
+        propagate_val(node, mode)
+        if any(not same_shape(a, b) for a, b in zip(before, map(_layout, tensor_vals(node)))):
+            todo.update({u: position[u] for u in node.users})
+
+
+def _layout(v: torch.Tensor) -> tuple:
+    return (*v.shape, -1, *v.stride(), -1, v.storage_offset())
+
+
+def restorable(shape, stride) -> bool:
+    """Whether :func:`keep_output_strides` can lay a tensor of ``shape`` out with ``stride``
+    again: its elements overlap at most along expanded dims (stride 0). False when unsure."""
+    extent = 0
+    for size, st in sorted(((z, s) for z, s in zip(shape, stride) if not _known(z == 1)
+                            and not _known(s == 0)), key=lambda p: size_hint(p[1])):
+        if not _known(st > extent):
+            return False
+        extent = extent + (size - 1) * st
+    return True
+
+
+def _known(b) -> bool:
+    return statically_known_true(b)
+
+
+def keep_output_strides(graph, before: list[tuple | None], mode) -> list[Node]:
+    """Give every graph output whose strides differ from ``before`` (``output_strides`` of the
+    graph before a rewrite, each :func:`restorable`) those strides back: a functional
+    ``copy`` of it into an ``empty_strided`` buffer laid out as before (of size 1 along
+    expanded dims, then ``as_strided`` to the whole shape). Inductor lowers the copy to one
+    write of the elements and lays a non-view output, and the input of an ``as_strided``, out
+    exactly as its ``meta["val"]`` says; the empty buffer itself is never allocated. Returns
+    the new nodes."""
+    (out,) = graph.find_nodes(op="output")
+    leaves, spec = tree_flatten(out.args)
+    emit = Emitter(graph, before=out, mode=mode)
+    for i, (leaf, stride) in enumerate(zip(leaves, before, strict=True)):
+        v = tensor_val(leaf)
+        if stride is None or v is None or same_shape(tuple(v.stride()), stride):
+            continue
+        shape = list(v.shape)
+        expanded = [d for d, (z, s) in enumerate(zip(shape, stride))
+                    if _known(s == 0) and not _known(z == 1)]
+        part = leaf
+        for d in expanded:
+            part = emit(aten.slice.Tensor, part, d, 0, 1)
+        base = [1 if d in expanded else z for d, z in enumerate(shape)]
+        like = emit(aten.empty_strided.default, base, list(stride), dtype=v.dtype,
+                    device=v.device)
+        leaves[i] = emit(aten.copy.default, like, part)
+        if expanded:
+            leaves[i] = emit(aten.as_strided.default, leaves[i], shape, list(stride), 0)
+    out.args = tree_unflatten(leaves, spec)
+    return emit.new

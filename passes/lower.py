@@ -12,7 +12,9 @@ in the issue order and names the program's collective and the profile in its des
 so ranks compare both. Inductor realises the input in symmetric memory: the producing kernel
 writes straight into a P2P buffer (whose id the pass makes this graph's own:
 ``lowering.distinct_p2p_ids``); under CUDA graphs the one-shot runs on a copy instead, and
-nccl_symm always does (``kernels.nccl_symm``: Inductor allocates no NCCL windows).
+nccl_symm always does (``kernels.nccl_symm``: Inductor allocates no NCCL windows), and so
+does the one-shot, as its reference, for CPU tensors under
+``fxcoalesce.testing.reference_lowering``.
 
     before                                        after
     %ar = all_reduce(%x, "sum", "0")              %y = symm_mem.one_shot_all_reduce(%x, "sum", "0")
@@ -30,7 +32,7 @@ from fxcoalesce.analysis import analyze
 from fxcoalesce.config import Config
 from fxcoalesce.kernels.fakes import ensure_symm_mem_fakes
 from fxcoalesce.lowering import (CUDAGRAPH_P2P, NCCL_SYMM, distinct_p2p_ids, profile_tag,
-                                 under_cudagraphs)
+                                 runs_reference, under_cudagraphs)
 from fxcoalesce.meta import (ORIGIN, REPLACES, fake_mode_of, origin, propagate_val, replaced,
                              tensor_val)
 
@@ -63,16 +65,18 @@ def lower_pass(gm: GraphModule, *, cfg: Config) -> PassResult:
             continue
         x, group = b.input, b.group  # a name (lowering.symm_unusable)
         with graph.inserting_before(b.collective):
+            reference = runs_reference(b.key)  # testing.reference_lowering: CPU tensors
             if chosen == NCCL_SYMM:  # on a copy: Inductor cannot allocate a window
                 new = graph.call_function(torch.ops.fxcoalesce.nccl_symm_all_reduce.default,
                                           (x, group))
                 propagate_val(new, mode)
                 record["variant"] = NCCL_COPY_IN
-            elif chosen == "one_shot" and under_cudagraphs():  # on a copy (lowering.CUDAGRAPH_P2P)
+            elif chosen == "one_shot" and (reference or under_cudagraphs()):  # on a copy
                 new = graph.call_function(torch.ops.fxcoalesce.one_shot_all_reduce.default,
                                           (x, group))
                 propagate_val(new, mode)
-                record["variant"] = "copy-in: " + CUDAGRAPH_P2P
+                if not reference:  # its reference needs no workspace
+                    record["variant"] = "copy-in: " + CUDAGRAPH_P2P
             elif chosen == "one_shot":
                 new = graph.call_function(torch.ops.symm_mem.one_shot_all_reduce.default,
                                           (x, "sum", group))

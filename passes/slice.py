@@ -5,12 +5,18 @@ Ensures: an all_reduce whose wait has a single user that slices it with integer 
 (``slice``, ``select``; ``narrow`` and basic indexing lower to these), directly or through
 layout-only ops that nothing else reads (``passes.layout``: view, reshape, ...), reduces the
 sliced part of its input instead, put through the same layout ops: the bytes drop by the
-slice ratio. Last-token logits after a reduction are the typical case.
+slice ratio. Last-token logits after a reduction are the typical case. Graph outputs keep
+their strides: one that the rewrite made dense (a strided view of the reduced tensor, or an
+elementwise op of one) is copied back into its old layout (``layout.keep_output_strides``:
+one write of its elements, as plain torch.compile returns it; storage offsets are not kept);
+a block whose value reaches an output whose elements overlap other than along expanded
+dims (``unfold``) is left alone.
 
     before                                    after
     %w = wait(all_reduce(%x, sum, 0))         %xs = select(reshape(%x, [1, 6, 64]), 1, -1)
     %v = view(%w, [1, 6, 64])                 %y  = wait(all_reduce(clone(%xs), sum, 0))
-    %y = select(%v, 1, -1)
+    %y = select(%v, 1, -1)                    %o  = copy(empty_strided([1, 64], [384, 1]), %y)
+    return %y                                 return %o
 
 A slice whose arguments differ between ranks (``AR(x).chunk(world)[rank]``) would make this
 wrong, and one rank's graph cannot tell. So the new collective records its slice, which
@@ -23,14 +29,17 @@ from __future__ import annotations
 
 import torch
 from torch.fx import GraphModule, Node
+from torch.utils._pytree import tree_leaves
 
 from fxcoalesce.analysis import analyze
 from fxcoalesce.collectives import ALL_REDUCE, WAIT, op_name
 from fxcoalesce.config import Config
-from fxcoalesce.meta import ORIGIN, REPLACES, SLICED, fake_mode_of, hinted_nbytes, origin, replaced
+from fxcoalesce.meta import (ORIGIN, REPLACES, SLICED, fake_mode_of, hinted_nbytes, origin,
+                             replaced, tensor_val)
 
 from .emit import Emitter
-from .layout import layout_chain, replay
+from .layout import (keep_output_strides, layout_chain, output_strides, refresh_vals, replay,
+                     restorable)
 from .result import Bucket, PassResult
 
 aten = torch.ops.aten
@@ -42,18 +51,34 @@ def _int_slice(node: Node) -> bool:
             and all(isinstance(a, int) or a is None for a in node.args[1:]))
 
 
+def _reaches(node: Node, targets: set[Node]) -> bool:
+    """Does ``node``'s value flow into one of ``targets``?"""
+    seen, todo = set(), [node]
+    while todo and targets:
+        n = todo.pop()
+        if n in targets:
+            return True
+        todo += [u for u in n.users if u not in seen]
+        seen.update(n.users)
+    return False
+
+
 def slice_pass(gm: GraphModule, *, cfg: Config) -> PassResult:
     result = PassResult()
     analysis = analyze(gm)
     graph = gm.graph
     mode = fake_mode_of(analysis.order)
+    strides = output_strides(graph)
+    (out,) = graph.find_nodes(op="output")
+    fixed = {leaf for leaf, st in zip(tree_leaves(out.args), strides, strict=True)
+             if st is not None and not restorable(tensor_val(leaf).shape, st)}
     for block in analysis.scan.blocks:
         chain = layout_chain(block.wait, analysis.order)
         users = list(chain.end.users)
         if block.impl != "nccl" or block.inplace or len(users) != 1:
             continue
         (use,) = users
-        if not _int_slice(use) or use.args[0] is not chain.end:
+        if not _int_slice(use) or use.args[0] is not chain.end or _reaches(use, fixed):
             continue
         emit = Emitter(graph, before=block.collective, mode=mode)
         part = emit(use.target, replay(emit, block.input, chain), *use.args[1:])
@@ -66,6 +91,7 @@ def slice_pass(gm: GraphModule, *, cfg: Config) -> PassResult:
         use.replace_all_uses_with(wait)
         for n in (use, *reversed(chain.ops), block.wait, block.collective):
             graph.erase_node(n)
+        refresh_vals(wait, mode)  # what read the strided slice now reads a dense tensor
         result.buckets.append(Bucket(members=[block.collective.name],
                                      nbytes=hinted_nbytes(fused.meta["val"]),
                                      level=0, key=str(block.key), collective=fused.name,
@@ -73,5 +99,7 @@ def slice_pass(gm: GraphModule, *, cfg: Config) -> PassResult:
         # the slice is a local guess about rank-invariance: the backend agrees on it
         result.decisions.append({"members": [block.collective.name], "chose": "slice",
                                  "slice": fused.meta[SLICED], "local": True})
+    if result.buckets:
+        keep_output_strides(graph, strides, mode)
     result.changed = bool(result.buckets)
     return result
