@@ -39,8 +39,10 @@ print(json.dumps(dict(reports=reports, code=code)))
 """
 
 
-def compile_in_process(backend: str, cache: Path) -> dict:
+def compile_in_process(backend: str, cache: Path, trace: Path | None = None) -> dict:
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache)}
+    if trace is not None:
+        env["TORCH_TRACE"] = str(trace)
     done = subprocess.run([sys.executable, "-c", COMPILE, backend], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -74,6 +76,17 @@ def test_warm_compile_is_served_from_the_cache_and_reports(tmp_path):
     # (the old force_disable_caches left one behind each time)
     assert not [p.name for p in cache.iterdir() if p.name.startswith("tmp")]
     assert len(list((cache / "fxcoalesce").glob("*.json"))) == 1
+
+
+def test_a_warm_start_trace_still_shows_the_report(tmp_path):
+    """On a cache hit AOTAutograd skips the passes; the trace gets the saved report."""
+    cache = tmp_path / "inductor"
+    compile_in_process("fxcoalesce", cache, trace=tmp_path / "cold")
+    warm = compile_in_process("fxcoalesce", cache, trace=tmp_path / "warm")
+    assert warm["reports"] == [{"cache": "hit", "after": 1}]
+    logs = "".join(p.read_text() for p in (tmp_path / "warm").glob("*.log"))
+    assert '"name": "fxcoalesce_report"' in logs
+    assert '"cache": "hit"' in logs or "\"cache\": \"hit\"" in logs
 
 
 def _cached_rank(rank, world, dirs):
