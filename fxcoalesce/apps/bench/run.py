@@ -268,7 +268,8 @@ def bench_worker(rank: int, world: int, opt: BenchOptions) -> list[dict]:
     """One rank's part of a bench run: per token count, per variant, its step times (µs),
     collectives counted, output error and compile time."""
     r = _Rank(rank, world, opt)
-    if any(name != "eager" for name in opt.variants):
+    if any(name != "eager" and not unavailable(name, opt.device, opt.backend)
+           for name in opt.variants):  # something will compile
         r.say("warming up the compilers (a tiny graph through Inductor and fxcoalesce, "
               "untimed) ...")
         start = time.perf_counter()
