@@ -76,7 +76,7 @@ def demo_worker(rank: int, world: int, opt: DemoOptions) -> dict:
 
     graphs = []
     keep = lambda before, after, report: graphs.append(report)  # noqa: E731
-    note(f"  warming up the compilers (a tiny graph through Inductor and fxcoalesce, "
+    note("  warming up the compilers (a tiny graph through Inductor and fxcoalesce, "
          "untimed) ...")
     start = time.perf_counter()
     compile_timing.warm_up(dev, group)
