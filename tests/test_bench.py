@@ -9,6 +9,7 @@ import torch
 
 from fxcoalesce import models
 from fxcoalesce.apps import checks, cli
+from fxcoalesce.apps.bench import records as bench_records
 from fxcoalesce.apps.bench import report as bench_report
 from fxcoalesce.apps.bench import run as bench
 from fxcoalesce.apps.bench.variants import (VARIANTS, bucketing_options, hand_merged_twin,
@@ -243,3 +244,47 @@ def test_trace_variant_writes_rank_0s_trace_and_summarises_it(tmp_path):
     rec["variants"]["fxcoalesce"]["trace"] = facts
     assert "fxcoalesce, profiler trace (CPU ops, trace_step_t3.json): collectives" in \
         bench_report.text_table(rec)
+
+
+def test_a_speed_up_inside_the_reference_spread_is_marked_within_noise(tmp_path):
+    rec = record()
+    vs = rec["variants"]  # inductor 10 ms (8-15); fxcoalesce 5 ms (4-7.5): apart
+    vs["hand-merged"] = {**vs["fxcoalesce"], "median_ms": 9.0, "p10_ms": 7.2, "p90_ms": 13.5}
+    text = bench_report.text_table(rec)
+    assert "1.11x (within noise)" in text  # 7.2-13.5 overlaps 8-15
+    assert "2.00x (within noise)" not in text and "2.00x" in text
+    assert "note: within noise: the variant's p10-p90 step time overlaps inductor's" in text
+    assert ("fxcoalesce vs hand-merged: 5.000 against 9.000 ms median, p10-p90 ranges "
+            "overlap: within noise") in text  # 4-7.5 against 7.2-13.5
+    vs["hand-merged"]["p10_ms"] = 7.6  # apart from fxcoalesce's, still inside inductor's
+    text = bench_report.text_table(rec)
+    assert "fxcoalesce vs hand-merged" not in text and "1.11x (within noise)" in text
+    bench_records.mark_noise(vs)
+    assert [vs[n].get("within_noise_of_inductor") for n in vs] == [False, None, False, True]
+    bench_report.write_all([rec], tmp_path)  # the chart draws the pale bar
+    assert "| hand-merged | 9.000 | 7.600 | 13.500 | 1.11x (within noise) |" in (
+        tmp_path / "bench.md").read_text()
+
+
+def test_a_prediction_of_the_default_cost_model_says_so():
+    rec = record()
+    rec["gain"] = {"predicted_ms": 0.1, "measured_ms": 4.8, "error": 47.0, "model": "default"}
+    text = bench_report.text_table(rec)
+    assert ("(+4700%; cost model: default, uncalibrated: all_reduce as a ring over PCIe "
+            "(NCCL's latencies, 20 GB/s), compute as a CPU roofline") in text
+    rec["gain"]["model"] = "profile.json"
+    assert "(+4700%; cost model: profile.json)" in bench_report.text_table(rec)
+
+
+def test_compile_times_say_how_they_were_taken():
+    rec = record()
+    for v in rec["variants"].values():
+        v["compile_cache"] = "cold"
+    rec["variants"]["eager"]["compile_cache"] = None  # nothing compiled
+    text = bench_report.text_table(rec)
+    assert ("compile s: each variant's first call, into an Inductor cache of its own, after "
+            "an untimed warm-up compile of a tiny graph that pays the one-time costs; the "
+            "cache was cold for every compiled variant") in text
+    rec["variants"]["fxcoalesce"]["compile_cache"] = "warm"
+    assert "caches differ, so compile times do not compare: inductor cold, fxcoalesce warm" \
+        in bench_report.text_table(rec)

@@ -3,6 +3,7 @@ trace, model build or rank starts; a rank failing at run time is one line and st
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -306,3 +307,15 @@ def test_inspect_writes_report(tmp_path):
     for name in ("report.json", "before.txt", "after.txt"):
         assert (tmp_path / name).read_text().endswith("\n"), name
     assert proc.stdout.endswith(f"wrote {tmp_path}/report.json, before.txt, after.txt\n")
+    # the prediction says its model is the uncalibrated default, on the fake tensors' CPU
+    assert "model: default, uncalibrated: a ring over PCIe, compute a CPU roofline" in proc.stdout
+    # progress on stderr: what is traced (its depth) and, after, how long it took
+    assert f"tracing neox-tiny forward at TP 4 ({L} layers, 3 tokens)" in proc.stderr
+    assert re.search(r"\n  traced in \d+\.\d s\n", proc.stderr), proc.stderr
+
+
+def test_quiet_prints_no_progress():
+    proc = run_cli("-q", "inspect", "--model", "neox-tiny", "--tp", "2", "--layers", "1",
+                   timeout=300)
+    assert proc.returncode == 0 and "all_reduce launches" in proc.stdout
+    assert "tracing" not in proc.stderr and "traced in" not in proc.stderr, proc.stderr

@@ -101,4 +101,35 @@ def test_timeline_uses_the_reports_cost_profile(capsys, monkeypatch, tmp_path):
                      "--out", str(tmp_path / "o")]) == 0
     out = capsys.readouterr().out
     assert f"model: {profile}" in out  # the report's prediction read it too
+    assert f"predicted: all_reduce from the profile {profile}; compute a CPU roofline" in out
     assert "communication 9000 µs" in out and "communication 5000 µs" in out
+
+
+@needs_matplotlib
+def test_a_tall_drawing_has_no_blank_band_and_its_panel_titles_apart():
+    """falcon-40b's 60 layers (one box each) drew 604 x 5754 px with ~560 px of blank space
+    under the title and the two panel titles overlapping."""
+    from fxcoalesce.viz.draw import picture_figure
+    from fxcoalesce.viz.picture import Box, Panel
+
+    def panel(name: str, title: str, lines: int) -> Panel:
+        boxes = [Box(f"{name}/{i}", (f"layers.{i}",) + ("1 all_reduce",) * (lines - 1), None, i)
+                 for i in range(62)]
+        return Panel(name, title, boxes, [(a.id, b.id) for a, b in zip(boxes, boxes[1:])])
+
+    fig = picture_figure([panel("before", "before: 121 all_reduce, 1 all_gather\none box per "
+                                "layer", 3),
+                          panel("after", "after: 61 all_reduce, 1 all_gather (lower bound "
+                                "61)\none box per layer", 4)], "falcon-40b  step=forward")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()  # constrained layout places the titles
+    renderer = canvas.get_renderer()
+    titles = [ax.title.get_window_extent(renderer) for ax in fig.axes]
+    assert titles[0].x1 < titles[1].x0  # side by side, apart
+    top = fig._suptitle.get_window_extent(renderer)
+    gap_px = top.y0 - max(t.y1 for t in titles)
+    assert 0 <= gap_px < 30  # the panel titles right under the figure's
+    first_box = min(ax.texts[0].get_window_extent(renderer).y1 for ax in fig.axes)
+    assert max(t.y0 for t in titles) - first_box < 60  # and the first row under them

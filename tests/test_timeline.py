@@ -120,3 +120,20 @@ def test_timeline_legend_names_what_is_drawn(comm, hidden, labels):
     tl = Timeline("t", compute=[Span("mm1", 0, 4), Span("mm2", 4, 8)], comm=comm, hidden=hidden)
     legend = timeline_figure([tl]).legends[0]
     assert [t.get_text() for t in legend.get_texts()] == labels
+
+
+def test_a_prediction_says_what_it_assumes():
+    """inspect's falcon-40b timeline showed a 1.08 s step from a CPU roofline without saying
+    which device, or that the cost model was not calibrated."""
+    from fxcoalesce.cost import DEVICE_DEFAULTS
+
+    tl = predict_timeline(two_in_flight(), CostModel(), world=2)
+    peak, mem, kernel = DEVICE_DEFAULTS["cpu"]  # the graph's tensors are on the CPU
+    assert tl.assumes == ("uncalibrated default cost model: all_reduce a ring over PCIe "
+                          f"({CostModel().bandwidth_gbps:g} GB/s); compute a CPU roofline "
+                          f"({peak:g} TFLOP/s, {mem:g} GB/s, {kernel:g} µs a kernel, defaults)")
+    assert predict_timeline(two_in_flight(), COST, world=2).assumes.endswith(
+        "compute a CPU roofline (1e+09 TFLOP/s, 1e+09 GB/s, 4 µs a kernel)")  # COST's own
+    fig = timeline_figure([tl]) if has_matplotlib() else None
+    if fig is not None:
+        assert fig._suptitle.get_text() == f"Predicted, not measured: {tl.assumes}"

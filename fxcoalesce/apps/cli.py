@@ -14,6 +14,11 @@ from fxcoalesce.config import Config
 from fxcoalesce.viz.picture import MAX_BOXES
 
 
+def _progress(text: str) -> None:
+    """A line of progress: on stderr, so that it stays out of what a command writes."""
+    print(text, file=sys.stderr, flush=True)
+
+
 def _table(rows: list[tuple[str, object]]) -> str:
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
@@ -22,8 +27,10 @@ def _table(rows: list[tuple[str, object]]) -> str:
 def _comm(pred: dict) -> str:
     """'total (exposed) -> total (exposed)' of a report's predicted_comm_us."""
     b, a = pred["before"], pred["after"]
+    model = ("default, uncalibrated: a ring over PCIe, compute a CPU roofline (the fake "
+             "tensors' device)" if pred["model"] == "default" else pred["model"])
     return (f"{b['total']} -> {a['total']}  (exposed {b['exposed']} -> {a['exposed']}; "
-            f"model: {pred['model']}, world {pred['world_size_assumed']})")
+            f"model: {model}, world {pred['world_size_assumed']})")
 
 
 def cmd_inspect(args) -> int:
@@ -43,10 +50,9 @@ def cmd_inspect(args) -> int:
     table_out = sys.stderr if args.format == "dot" and not args.out else sys.stdout
     cfg = Config(bucket_cap_mb=args.bucket_cap_mb)
     sys.stdout.flush()  # what --trace printed comes first, also when both go to one pipe
-    print(f"tracing {args.model} step={args.step} tp={args.tp} tokens={args.tokens} "
-          "under fake tensors ...", file=sys.stderr, flush=True)
     t = trace_model(args.model, tp=args.tp, tokens=args.tokens, step=args.step,
-                    hand_merged=args.hand_merged, config=cfg, layers=args.layers)
+                    hand_merged=args.hand_merged, config=cfg, layers=args.layers,
+                    say=None if args.quiet else _progress)
     r = t.report
     a = r.all_reduce
     print(f"{args.model}{' (hand-merged)' if args.hand_merged else ''}  step={args.step}  "
@@ -119,6 +125,7 @@ def _draw_model(args, t) -> None:
         draw_timelines(timelines, Path(args.out) / "timeline.png", unit="µs (predicted)")
         for tl in timelines:
             print(f"  {tl.summary()}")
+        print(f"  predicted: {timelines[0].assumes}")
         print(f"wrote {args.out}/timeline.png")
 
 
@@ -150,15 +157,16 @@ def cmd_bench(args) -> int:
                        calls_per_sample=args.calls_per_sample or (
                            10 if args.device == "cuda" else 1),
                        warmup=args.warmup, command=args.command_line,
-                       trace_dir=args.out if args.trace else None)
+                       trace_dir=args.out if args.trace else None, progress=not args.quiet)
     if args.trace:
         Path(args.out).mkdir(parents=True, exist_ok=True)
     # a `timeout` or Ctrl-C ends this process: spawn then stops the ranks, none left behind
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     start = time.perf_counter()
-    print(f"bench {opt.model}: {opt.tp} {be} rank{'s' * (opt.tp > 1)} on {opt.device}, "
-          f"tokens {','.join(map(str, opt.tokens))}, variants {', '.join(opt.variants)}; "
-          "each compile takes a while (minutes on CPU) ...", file=sys.stderr, flush=True)
+    if opt.progress:
+        _progress(f"bench {opt.model}: {opt.tp} {be} rank{'s' * (opt.tp > 1)} on "
+                  f"{opt.device}, tokens {','.join(map(str, opt.tokens))}, variants "
+                  f"{', '.join(opt.variants)}; each compile takes a while (minutes on CPU) ...")
     records = run_bench(opt)
     for rec in records:
         print(text_table(rec) + "\n")
@@ -177,8 +185,9 @@ def cmd_bench(args) -> int:
 def cmd_calibrate(args) -> int:
     from fxcoalesce.apps.bench.calibrate import run_calibrate, write_profile
 
-    print(f"calibrate: {args.tp} {args.backend or 'gloo'} ranks on {args.device}, all_reduce "
-          f"from 8 B to {args.max_bytes} B ...", file=sys.stderr, flush=True)
+    if not args.quiet:
+        _progress(f"calibrate: {args.tp} {args.backend or 'gloo'} ranks on {args.device}, "
+                  f"all_reduce from 8 B to {args.max_bytes} B ...")
     data = run_calibrate(args)
     write_profile(data, args.out)
     print(f"alpha {data['alpha_us']:.1f} µs, beta {data['beta_us_per_byte'] * 1e6:.1f} µs/MB "
@@ -269,6 +278,9 @@ def parser() -> argparse.ArgumentParser:
         "train-draft, calibrate. 'fxcoalesce COMMAND --help' describes each.")
     p.add_argument("-v", "--verbose", action="store_true",
                    help="log each graph's report; show a failed rank's traceback")
+    p.add_argument("-q", "--quiet", action="store_true",
+                   help="no progress lines on stderr (what inspect traces, what demo and "
+                        "bench compile, and how long each took); results and errors stay")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     i = sub.add_parser("inspect", help="trace a named model under fake tensors and show "

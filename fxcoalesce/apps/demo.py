@@ -3,8 +3,11 @@ model, with the verify step compiled through fxcoalesce.
 
 Every verify step runs twice on the same inputs, compiled without and with the pass, one
 after the other: both write the same KV entries, their logits are compared, and each is
-timed. Decoding continues from the pass's result. Weights are random, so the draft rarely
-matches the target and accepted lengths stay near 1 (a trained draft head is a later step).
+timed. Decoding continues from the pass's result. Each variant's first call compiles it
+(timed apart, ``bench.compile_timing``: an untimed warm-up compile first, then each variant
+into an Inductor cache of its own, so neither figure carries the other's work). Weights
+are random, so the draft rarely matches the target and accepted lengths stay near 1 (a
+trained draft head is a later step). Progress goes to stderr (rank 0; ``-q`` silences it).
 """
 
 from __future__ import annotations
@@ -22,6 +25,9 @@ import torch.distributed as dist
 from fxcoalesce.compiler import backend
 from fxcoalesce.config import Config
 from fxcoalesce.apps.launch import default_backend, spawn
+from fxcoalesce.apps.bench import compile_timing
+from fxcoalesce.apps.bench.records import percentile
+from fxcoalesce.apps.bench.report import ranges_overlap
 from fxcoalesce.apps.bench.timing import timed
 
 
@@ -45,6 +51,8 @@ class DemoOptions:
     """Use the engines' hand-merged model code as the target."""
     device: str = "cpu"
     """"cpu" or "cuda"."""
+    progress: bool = True
+    """Rank 0 says on stderr what it is compiling and how long that took."""
 
 
 def demo_worker(rank: int, world: int, opt: DemoOptions) -> dict:
@@ -56,6 +64,8 @@ def demo_worker(rank: int, world: int, opt: DemoOptions) -> dict:
     torch.set_num_threads(max(1, (torch.get_num_threads()) // world) if not cuda else 1)
     group = dist.group.WORLD if world > 1 else None
     say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
+    note = ((lambda *a: print(*a, file=sys.stderr, flush=True)) if rank == 0 and opt.progress
+            else (lambda *a: None))
     target = models.apply_tp(models.build(opt.model, hand_merged=opt.hand_merged, device=dev),
                              group)
     max_seq = opt.prompt + opt.tokens + 2 * opt.tree
@@ -66,26 +76,36 @@ def demo_worker(rank: int, world: int, opt: DemoOptions) -> dict:
 
     graphs = []
     keep = lambda before, after, report: graphs.append(report)  # noqa: E731
+    note("  warming up the compilers (a tiny graph through Inductor and fxcoalesce, "
+         "untimed) ...")
+    start = time.perf_counter()
+    compile_timing.warm_up(dev, group)
+    note(f"    done in {time.perf_counter() - start:.1f} s")
     variants = {
         "without pass": torch.compile(eagle3.verify_step, fullgraph=True, backend=backend(
             Config(passes=(), codegen=opt.codegen), on_graph=keep)),
         "with pass": torch.compile(eagle3.verify_step, fullgraph=True, backend=backend(
             Config(codegen=opt.codegen), on_graph=keep)),
     }
+    what = {"without pass": "plain Inductor, Config(passes=())", "with pass": "fxcoalesce"}
     times = {k: [] for k in variants}
-    compile_s = {}
+    compile_s, cache = {}, {}
     same = []
     warm = []  # wall clock when the first (compiling) verify step returned
 
     def verify_both(*args):
         outs = {}
-        for k, fn in variants.items():
+        for i, (k, fn) in enumerate(variants.items(), 1):
             if k not in compile_s:  # the first call compiles: timed apart, then run again
-                say(f"  compiling the verify step {k} ({opt.codegen}) ...")
-                start = time.perf_counter()
-                fn(*args)
-                compile_s[k] = time.perf_counter() - start
-                say(f"    compiled in {compile_s[k]:.1f} s (not counted in the times below)")
+                note(f"  compiling the verify step {k} ({what[k]}, codegen {opt.codegen}) "
+                     f"({i}/{len(variants)}) ...")
+                with compile_timing.own_cache(f"demo {k}") as info:
+                    start = time.perf_counter()
+                    fn(*args)
+                    compile_s[k] = time.perf_counter() - start
+                cache[k] = info["cache"]
+                note(f"    compiled in {compile_s[k]:.1f} s ({cache[k]} Inductor cache of its "
+                     "own; not counted in the times below)")
             outs[k], us = timed(lambda: fn(*args), dev)
             times[k].append(us)
         a, b = outs.values()
@@ -111,7 +131,9 @@ def demo_worker(rank: int, world: int, opt: DemoOptions) -> dict:
         "rank": rank, "world_size": world, "backend": dist.get_backend() if group else "none",
         "all_reduce": with_report.all_reduce, "report_without": without_report.all_reduce,
         "verify_median_us": {k: statistics.median(v) for k, v in times.items()},
-        "compile_s": compile_s,
+        "verify_p10_p90_us": {k: (percentile(v, 10), percentile(v, 90))
+                              for k, v in times.items()},
+        "compile_s": compile_s, "compile_cache": cache,
         "verify_calls": len(same), "logits_max_abs_diff": max(same),
         "matches_greedy": bool(torch.equal(out, reference)),
         "mean_accepted": stats.mean_accepted,
@@ -129,39 +151,60 @@ def run_demo(args) -> int:
         return run_smollm2_demo(args)
     opt = DemoOptions(model=args.model, tokens=args.tokens or 32,
                       codegen=args.codegen or "inductor", hand_merged=args.hand_merged,
-                      device=args.device)
+                      device=args.device, progress=not getattr(args, "quiet", False))
     t0 = time.perf_counter()
     if args.tp == 1:
         res = [demo_worker(0, 1, opt)]
     else:
         be = args.backend or default_backend(opt.device, args.tp)
-        print(f"starting {args.tp} {be} ranks ...", file=sys.stderr, flush=True)
+        if opt.progress:
+            print(f"starting {args.tp} {be} ranks ...", file=sys.stderr, flush=True)
         res = spawn(demo_worker, args.tp, (opt,), backend=be)
-    r = res[0]
-    a, m = r["all_reduce"], r["verify_median_us"]
-    print(f"\n{opt.model}{' (hand-merged)' if opt.hand_merged else ''}, TP={args.tp} "
-          f"({r['backend']}), verify step of {opt.tree} tokens, codegen {opt.codegen}")
-    print(f"  all_reduce launches per verify : {a['before']} -> {a['after']} "
-          f"(lower bound {a['lower_bound']})")
-    print(f"  verify latency (median)        : {m['without pass'] / 1e3:.2f} ms without the "
-          f"pass, {m['with pass'] / 1e3:.2f} ms with it ({r['verify_calls']} calls each)")
-    diff = max(x["logits_max_abs_diff"] for x in res)
-    print(f"  logits with vs without, max |Δ| : {diff:.3g}"
-          + (" (identical)" if diff == 0 else " (the linearity pass adds partial sums before "
-             "reducing; Config(reassociate=False) is bit-exact)"))
-    print(f"  tokens equal target greedy     : {all(x['matches_greedy'] for x in res)}")
-    print(f"  ranks agree                    : {all(x['tokens'] == r['tokens'] for x in res)}")
-    print(f"  mean accepted length           : {r['mean_accepted']:.2f} tokens per verify "
-          "(random weights: the draft rarely agrees with the target; `fxcoalesce demo "
-          "--model smollm2-135m` runs a pretrained target with a trained head)")
-    print(f"  tokens per second              : {r['tokens_per_s']:.1f} (with the pass, after "
-          "compilation; draft and acceptance included)")
-    print(f"  compile time (first calls)     : {r['compile_s']['without pass']:.1f} s "
-          f"without the pass, {r['compile_s']['with pass']:.1f} s with it")
+    print(summary(res, opt, args.tp))
     print(f"  wall time                      : {time.perf_counter() - t0:.0f} s")
     if getattr(args, "out", None):
         print(f"wrote {write_demo_json(res, opt, args)}")
     return 0
+
+
+def summary(res: list[dict], opt: DemoOptions, tp: int) -> str:
+    """What the demo found, from every rank's result (rank 0's times)."""
+    r = res[0]
+    a, c, state = r["all_reduce"], r["compile_s"], r["compile_cache"]
+    diff = max(x["logits_max_abs_diff"] for x in res)
+    noise = "; the ranges overlap: within noise" if _within_noise(r) else ""
+    return "\n".join([
+        f"\n{opt.model}{' (hand-merged)' if opt.hand_merged else ''}, TP={tp} "
+        f"({r['backend']}), verify step of {opt.tree} tokens, codegen {opt.codegen}",
+        f"  all_reduce launches per verify : {a['before']} -> {a['after']} "
+        f"(lower bound {a['lower_bound']})",
+        f"  verify latency median (p10-p90): {_spread(r, 'without pass')} without the pass, "
+        f"{_spread(r, 'with pass')} with it ({r['verify_calls']} calls each{noise})",
+        f"  logits with vs without, max |Δ| : {diff:.3g}"
+        + (" (identical)" if diff == 0 else " (the linearity pass adds partial sums before "
+           "reducing; Config(reassociate=False) is bit-exact)"),
+        f"  tokens equal target greedy     : {all(x['matches_greedy'] for x in res)}",
+        f"  ranks agree                    : {all(x['tokens'] == r['tokens'] for x in res)}",
+        f"  mean accepted length           : {r['mean_accepted']:.2f} tokens per verify "
+        "(random weights: the draft rarely agrees with the target; `fxcoalesce demo "
+        "--model smollm2-135m` runs a pretrained target with a trained head)",
+        f"  tokens per second              : {r['tokens_per_s']:.1f} (with the pass, after "
+        "compilation; draft and acceptance included)",
+        f"  compile time (first calls)     : {c['without pass']:.1f} s without the pass "
+        f"({state['without pass']} cache), {c['with pass']:.1f} s with it "
+        f"({state['with pass']} cache): {compile_timing.HOW}",
+    ])
+
+
+def _spread(r: dict, k: str) -> str:
+    """'19.67 ms (12.10-30.20)': a variant's median verify time and its p10-p90 range."""
+    lo, hi = r["verify_p10_p90_us"][k]
+    return f"{r['verify_median_us'][k] / 1e3:.2f} ms ({lo / 1e3:.2f}-{hi / 1e3:.2f})"
+
+
+def _within_noise(r: dict) -> bool:
+    ranges = [r["verify_p10_p90_us"][k] for k in ("without pass", "with pass")]
+    return ranges_overlap(*ranges)
 
 
 def write_demo_json(res: list[dict], opt: DemoOptions, args) -> Path:
@@ -174,9 +217,14 @@ def write_demo_json(res: list[dict], opt: DemoOptions, args) -> Path:
         "new_tokens": opt.tokens, "tree_tokens": opt.tree,
         "all_reduce": {k: r["all_reduce"][k] for k in ("before", "after", "lower_bound")},
         "verify_ms": {"without": ms["without pass"], "with": ms["with pass"]},
+        "verify_ms_p10_p90": {k.split()[0]: [round(x / 1e3, 4) for x in v]
+                              for k, v in r["verify_p10_p90_us"].items()},
+        "verify_within_noise": _within_noise(r),
         "verify_calls": r["verify_calls"],
         "compile_s": {"without": round(r["compile_s"]["without pass"], 2),
                       "with": round(r["compile_s"]["with pass"], 2)},
+        "compile_cache": {k.split()[0]: v for k, v in r["compile_cache"].items()},
+        "compile_how": compile_timing.HOW,
         "logits_max_abs_diff": max(x["logits_max_abs_diff"] for x in res),
         "tokens_equal_target_greedy": all(x["matches_greedy"] for x in res),
         "mean_accepted": r["mean_accepted"], "tokens_per_s": round(r["tokens_per_s"], 2),

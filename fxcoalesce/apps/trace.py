@@ -4,6 +4,7 @@ GPU) and run the pipeline on it: what ``fxcoalesce inspect`` shows."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -31,14 +32,21 @@ class Traced:
 def trace_model(name: str, *, tp: int, tokens: int, step: str = "forward",
                 hand_merged: bool = False, config: Config | None = None,
                 layers: int | None = None,
-                dtype: torch.dtype = torch.bfloat16) -> Traced:
+                dtype: torch.dtype = torch.bfloat16,
+                say: Callable[[str], None] | None = None) -> Traced:
     """Build ``name`` under ``FakeTensorMode``, shard it over a fake group of ``tp`` ranks,
-    compile ``step`` with the fxcoalesce backend and return the first graph it rewrote."""
+    compile ``step`` with the fxcoalesce backend and return the first graph it rewrote.
+    ``say`` (if given) is told what is traced before, and how long it took after: a large
+    model takes a minute."""
     from fxcoalesce import models
 
     if tp < 1 or tokens < 1:
         raise ValueError("--tp and --tokens must be at least 1")
-    models.family_of(name)  # unknown names fail here, before any work
+    n_layers = models.args_of(name, layers).n_layers  # unknown names fail here, before work
+    say = say or (lambda text: None)
+    say(f"tracing {name}{' (hand-merged)' if hand_merged else ''} {step} at TP {tp} "
+        f"({n_layers} layers, {tokens} tokens) under fake tensors: Dynamo, AOTAutograd and "
+        "the pipeline ...")
     t0 = time.perf_counter()
     group = init_fake_group(tp) if tp > 1 else None
     mode = FakeTensorMode()
@@ -54,4 +62,6 @@ def trace_model(name: str, *, tp: int, tokens: int, step: str = "forward",
     with torch.no_grad(), mode:
         compiled(*args)
     before, after, report = graphs[0]
-    return Traced(before, after, report, time.perf_counter() - t0)
+    seconds = time.perf_counter() - t0
+    say(f"  traced in {seconds:.1f} s")
+    return Traced(before, after, report, seconds)

@@ -48,21 +48,30 @@ def render_picture(panels: list[Panel], path: str | Path, fmt: str, *, title: st
         subprocess.run(["dot", f"-T{fmt}", "-o", str(path)], input=to_dot(panels, title),
                        text=True, check=True, capture_output=True)
     elif engine == "matplotlib":
-        _draw_panels(panels, Path(path), fmt, title)
+        picture_figure(panels, title).savefig(Path(path), format=fmt, dpi=110,
+                                              bbox_inches="tight")
     else:
         raise RuntimeError(NEEDS_A_RENDERER.format(fmt=fmt))
     return engine
 
 
-def _draw_panels(panels: list[Panel], path: Path, fmt: str, title: str) -> None:
-    """A layered drawing: one row per dependency depth, boxes in issue order."""
+def picture_figure(panels: list[Panel], title: str = ""):
+    """The matplotlib ``Figure`` of a layered drawing: a panel per graph, one row per
+    dependency depth, boxes in issue order."""
     from matplotlib.figure import Figure
 
     rows = [sorted({b.depth for b in p.boxes}) for p in panels]
     widest = max((sum(b.depth == d for b in p.boxes) for p, r in zip(panels, rows) for d in r),
                  default=1)
     tallest = max((len(r) for r in rows), default=1)
-    fig = Figure(figsize=(len(panels) * max(3.0, 2.0 * widest), max(3.0, 0.95 * tallest + 1)))
+    lines = max((len(b.lines) for p in panels for b in p.boxes), default=1)
+    # a panel as wide as its widest row of boxes and its title (~0.08 in a character at 9 pt),
+    # a row as tall as its boxes' lines (7 pt) and an arrow; titles laid out by matplotlib's
+    # constrained layout, so that a tall drawing keeps no blank band under the suptitle
+    title_in = 0.08 * max((len(t) for p in panels for t in p.title.split("\n")), default=0)
+    width = max(3.0, 2.0 * widest, title_in + 0.3)
+    fig = Figure(figsize=(len(panels) * width, max(3.0, (0.22 + 0.13 * lines) * tallest + 1)),
+                 layout="constrained")
     axes = fig.subplots(1, len(panels), squeeze=False)[0]
     for ax, panel, depths in zip(axes, panels, rows):
         row_of = {d: i for i, d in enumerate(depths)}
@@ -86,7 +95,7 @@ def _draw_panels(panels: list[Panel], path: Path, fmt: str, title: str) -> None:
         ax.axis("off")
     if title:
         fig.suptitle(title)
-    fig.savefig(path, format=fmt, dpi=110, bbox_inches="tight")
+    return fig
 
 
 def draw_timelines(timelines: list[Timeline], path: str | Path, *, unit: str = "µs") -> None:
@@ -97,10 +106,13 @@ def draw_timelines(timelines: list[Timeline], path: str | Path, *, unit: str = "
 
 def timeline_figure(timelines: list[Timeline], unit: str = "µs"):
     """The matplotlib ``Figure`` that :func:`draw_timelines` writes; its legend names what is
-    drawn: each colour that appears, and only those."""
+    drawn: each colour that appears, and only those; a predicted timeline's title says what
+    the prediction assumes."""
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(11, 1.7 * len(timelines) + 0.9), layout="constrained")
+    if assumes := "; ".join(dict.fromkeys(tl.assumes for tl in timelines if tl.assumes)):
+        fig.suptitle(f"Predicted, not measured: {assumes}", fontsize=8, wrap=True)
     axes = fig.subplots(len(timelines), 1, squeeze=False, sharex=True)[:, 0]
     for ax, tl in zip(axes, timelines):
         bars = lambda spans: [(s.start_us, s.end_us - s.start_us) for s in spans]  # noqa: E731

@@ -13,7 +13,8 @@ compute is *hidden*, the rest *exposed*.
 
 Unlike the report's ``predicted_comm_us`` (each all_reduce judged alone), collectives here
 queue behind each other and a wait delays everything after it, so the exposed time can be
-larger. Analysed all_reduces only, as in the report.
+larger. Analysed all_reduces only, as in the report. What the prediction assumes (which
+device's roofline, calibrated or not) is in ``Timeline.assumes`` (:func:`assumptions`).
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ class Timeline:
     compute: list[Span] = field(default_factory=list)
     comm: list[Span] = field(default_factory=list)
     hidden: list[Span] = field(default_factory=list)
+    assumes: str = ""
+    """What a predicted timeline rests on (:func:`assumptions`); "" for a measured one."""
 
     @property
     def end_us(self) -> float:
@@ -82,10 +85,24 @@ def overlaps(comm: list[Span], busy: list[tuple[float, float]]) -> list[Span]:
     return out
 
 
+def assumptions(cost: CostModel, device: str) -> str:
+    """The cost model's assumptions in a line: the all_reduce model (a calibrated profile or
+    the uncalibrated ring) and the compute roofline of ``device``, defaults named as such."""
+    roof = Roofline.of(cost, device)
+    comm = (f"all_reduce from the profile {cost.profile.source}" if cost.profile is not None
+            else f"uncalibrated default cost model: all_reduce a ring over PCIe "
+                 f"({cost.bandwidth_gbps:g} GB/s)")
+    own = all(v is not None for v in (cost.peak_tflops, cost.memory_gbps, cost.kernel_us))
+    return (f"{comm}; compute a {device.upper()} roofline ({roof.peak_tflops:g} TFLOP/s, "
+            f"{roof.memory_gbps:g} GB/s, {roof.kernel_us:g} µs a kernel"
+            f"{'' if own else ', defaults'})")
+
+
 def predict_timeline(gm: GraphModule, cost: CostModel, world: int, title: str = "") -> Timeline:
     """The step of ``gm`` on two lanes, as the cost model sees it (see the module doc)."""
     analysis = analyze(gm)
-    roof = Roofline.of(cost, graph_device(analysis))
+    device = graph_device(analysis)
+    roof = Roofline.of(cost, device)
     by_input: dict = {}
     waits_at: dict[int, list] = {}
     for info in analysis.infos:
@@ -94,7 +111,7 @@ def predict_timeline(gm: GraphModule, cost: CostModel, world: int, title: str = 
     by_collective = {info.block.collective: info for info in analysis.infos}
     ready: dict = {}  # info -> when its input was computed
     ends: dict = {}
-    timeline = Timeline(title)
+    timeline = Timeline(title, assumes=assumptions(cost, device))
     now = comm_free = 0.0
     for i, node in enumerate(analysis.order):
         for info in waits_at.get(i, ()):

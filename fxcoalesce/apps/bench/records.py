@@ -1,7 +1,8 @@
 """One record per token count from every rank's results (``merge_ranks``), and the
 provenance each record carries (``environment``): what ``bench.json`` holds.
 
-Per variant: median / p10 / p90 of the step (its slowest rank's), the all_reduces issued
+Per variant: median / p10 / p90 of the step (its slowest rank's), whether that range
+overlaps the baseline's (``within_noise_of_inductor``), the all_reduces issued
 (counted at run time: NCCL's and the lowered implementations'), the output error against the
 eager reference, and, when the ``no-comm`` floor ran, ``exposed_comm_ms``: the variant's
 median minus the floor's, the communication the step still waits for. ``no-comm`` itself is
@@ -13,6 +14,7 @@ from __future__ import annotations
 import os
 import statistics
 
+from fxcoalesce.apps.bench.report import BASELINE, within_noise
 from fxcoalesce.apps.bench.variants import FLOOR, WRONG_BY_DESIGN
 
 
@@ -41,6 +43,7 @@ def merge_ranks(per_rank: list[list[dict]], opt, env: dict) -> list[dict]:
                  "all_reduce_launches": launches[0], "bytes": f["bytes"],
                  "max_abs_err": max(rk["variants"][name]["max_abs_err"] for rk in ranks),
                  "other_collectives": f["other_collectives"], "compile_s": f["compile_s"],
+                 "compile_cache": f.get("compile_cache"),
                  "steps_ms": [round(s / 1e3, 4) for s in steps]}
             if f.get("lowered"):
                 v["lowered"] = f["lowered"]
@@ -71,6 +74,7 @@ def merge_ranks(per_rank: list[list[dict]], opt, env: dict) -> list[dict]:
             notes += variant_notes(name, f)
             variants[name] = v
         add_exposed_comm(variants)
+        mark_noise(variants)
         records.append({
             "model": opt.model, "step": opt.step, "tp": opt.tp, "tokens": tokens,
             "layers": opt.layers, "backend": opt.backend, "device": opt.device,
@@ -98,6 +102,15 @@ def variant_notes(name: str, f: dict) -> list[str]:
                 "is over 128 KiB, or Inductor could not place its input in symmetric "
                 "memory): it measured plain Inductor"]
     return []
+
+
+def mark_noise(variants: dict) -> None:
+    """``within_noise_of_inductor`` of every other variant: whether its p10-p90 step time
+    overlaps the baseline's (``report.within_noise``), when the baseline ran."""
+    base = variants.get(BASELINE)
+    for name, v in variants.items():
+        if base is not None and name != BASELINE:
+            v[f"within_noise_of_{BASELINE}"] = within_noise(v, base)
 
 
 def add_exposed_comm(variants: dict) -> None:

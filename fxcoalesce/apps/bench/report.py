@@ -9,6 +9,10 @@ A record: ``{"model", "step", "tp", "tokens", "layers", "backend", "device", "cu
 "skipped": {NAME: why}, "notes": [...]}`` (``records.py`` makes them). The ``no-comm``
 variant is wrong by design: its row says so in the error column, its bar is hatched red with
 the floor drawn across the panel, and the table gains an "exposed comm ms" column.
+
+A speed-up is *within noise* when the variant's p10-p90 range overlaps the reference's
+(``within_noise``): the table says so beside it, ``bench.json`` holds it per variant
+(``within_noise_of_inductor``, ``records.py``) and its bar is drawn pale.
 """
 
 from __future__ import annotations
@@ -16,7 +20,28 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from fxcoalesce.apps.bench.compile_timing import HOW
+
 BASELINE = "inductor"
+NOISE = "within noise"
+
+
+def uncalibrated(device: str) -> str:
+    """What a prediction of the default cost model says where it is printed."""
+    return (f"default, uncalibrated: all_reduce as a ring over PCIe (NCCL's latencies, 20 GB/s), "
+            f"compute as a {device.upper()} roofline (fxcoalesce.cost.DEVICE_DEFAULTS); "
+            "`fxcoalesce calibrate` measures this machine")
+
+
+def ranges_overlap(a: tuple[float, float], b: tuple[float, float]) -> bool:
+    """Whether the closed ranges ``a`` and ``b`` (low, high) share a point."""
+    return a[0] <= b[1] and b[0] <= a[1]
+
+
+def within_noise(v: dict, ref: dict) -> bool:
+    """Whether variant ``v``'s p10-p90 step time overlaps the reference ``ref``'s: a
+    difference of medians that the spread of either covers."""
+    return ranges_overlap((v["p10_ms"], v["p90_ms"]), (ref["p10_ms"], ref["p90_ms"]))
 
 
 def title(rec: dict) -> str:
@@ -29,9 +54,32 @@ def title(rec: dict) -> str:
 
 
 def _speedup(rec: dict, name: str) -> str:
+    """'1.37x', with ' (within noise)' when the ranges overlap the baseline's."""
     base = rec["variants"].get(BASELINE)
     v = rec["variants"][name]
-    return f"{base['median_ms'] / v['median_ms']:.2f}x" if base and v["median_ms"] else "-"
+    if not base or not v["median_ms"]:
+        return "-"
+    noisy = name != BASELINE and within_noise(v, base)
+    return f"{base['median_ms'] / v['median_ms']:.2f}x" + (f" ({NOISE})" if noisy else "")
+
+
+def noise_remarks(rec: dict) -> list[str]:
+    """What "within noise" means, when a row says it, and fxcoalesce against each other
+    compiled variant whose range overlaps its own."""
+    vs = rec["variants"]
+    lines = []
+    if BASELINE in vs and any(n != BASELINE and within_noise(v, vs[BASELINE])
+                              for n, v in vs.items()):
+        lines.append(f"{NOISE}: the variant's p10-p90 step time overlaps {BASELINE}'s, so "
+                     "the spread covers the difference of the medians")
+    ours = vs.get("fxcoalesce")
+    for name, v in vs.items():
+        if ours is None or name in ("fxcoalesce", BASELINE, "eager") or v.get(
+                "wrong_by_design") or not within_noise(ours, v):
+            continue
+        lines.append(f"fxcoalesce vs {name}: {ours['median_ms']:.3f} against "
+                     f"{v['median_ms']:.3f} ms median, p10-p90 ranges overlap: {NOISE}")
+    return lines
 
 
 def _bytes(n: int) -> str:
@@ -80,10 +128,14 @@ def remarks(rec: dict) -> list[str]:
     """Skipped variants, warnings, and what a TP of 1 means."""
     lines = [f"{name}: skipped ({why})" for name, why in rec.get("skipped", {}).items()]
     lines += rec.get("notes", [])
+    lines += noise_remarks(rec)
+    if said := _compile_caches(rec):
+        lines.append(f"compile s: {HOW}; {said}")
     if (g := rec.get("gain")) and g["error"] is not None:
+        model = uncalibrated(rec["device"]) if g["model"] == "default" else g["model"]
         lines.append(f"fxcoalesce vs inductor: measured {g['measured_ms']:+.3f} ms a step, the "
                      f"report predicted {g['predicted_ms']:+.3f} ms ({g['error']:+.0%}; cost "
-                     f"model: {g['model']})")
+                     f"model: {model})")
     for name, v in rec["variants"].items():
         if t := v.get("trace"):
             lines.append(f"{name}, profiler trace ({t['source']}, {t['file']}): collectives "
@@ -93,6 +145,16 @@ def remarks(rec: dict) -> list[str]:
         lines.append("TP 1: one rank, so no all_reduce moves data and nothing can be merged; "
                      "the variants differ only in how the step is compiled")
     return lines
+
+
+def _compile_caches(rec: dict) -> str:
+    """What Inductor's cache did for each compiled variant, in a clause ("" if unknown)."""
+    states = {n: v["compile_cache"] for n, v in rec["variants"].items()
+              if v.get("compile_cache")}
+    if len(set(states.values())) == 1:
+        return f"the cache was {next(iter(states.values()))} for every compiled variant"
+    return ("caches differ, so compile times do not compare: " if states else "") + ", ".join(
+        f"{n} {s}" for n, s in states.items())
 
 
 def text_table(rec: dict) -> str:
@@ -133,8 +195,9 @@ def provenance(rec: dict) -> str:
 
 
 def write_png(records: list[dict], path: Path) -> str | None:
-    """Bar chart of median step time per variant, one panel per record, whiskers p10-p90;
-    returns why it was not written (matplotlib missing), else None."""
+    """Bar chart of median step time per variant, one panel per record, whiskers p10-p90,
+    pale bars (and their labels) for variants within noise of the baseline; returns why it
+    was not written (matplotlib missing), else None."""
     try:
         import matplotlib
     except ImportError:
@@ -153,14 +216,20 @@ def write_png(records: list[dict], path: Path) -> str | None:
                [x["p90_ms"] - m for m, x in zip(med, v)]]
         colors = ["tab:green" if n == "fxcoalesce" else "tab:red" if x.get("wrong_by_design")
                   else "tab:gray" for n, x in zip(names, v)]
+        base = rec["variants"].get(BASELINE)
+        noisy = [n != BASELINE and base is not None and within_noise(x, base)
+                 for n, x in zip(names, v)]
         bars = ax.bar(range(len(names)), med, yerr=err, capsize=3, color=colors)
-        for bar, x in zip(bars, v):
+        for bar, x, pale in zip(bars, v, noisy):
+            if pale:  # its range overlaps the baseline's: no difference to read off the bar
+                bar.set_alpha(0.4)
             if x.get("wrong_by_design"):  # the floor: hatched, and drawn across the panel
                 bar.set_hatch("//")
                 ax.axhline(x["median_ms"], color="tab:red", linestyle="--", linewidth=0.8)
         labels = [f"{n}\n{x['all_reduce_launches']} all_reduces"
                   + ("\nWRONG BY DESIGN" if x.get("wrong_by_design") else "")
-                  for n, x in zip(names, v)]
+                  + (f"\n{NOISE} of {BASELINE}" if pale else "")
+                  for n, x, pale in zip(names, v, noisy)]
         ax.set_xticks(range(len(names)), labels, rotation=35, ha="right", fontsize=7)
         ax.set_title(f"{rec['tokens']} tokens", fontsize=9)
         ax.set_ylabel("step time, ms (median, p10-p90)")

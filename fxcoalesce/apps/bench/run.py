@@ -9,8 +9,10 @@ and inputs, one token count at a time:
 
 1. an eager call gives the reference output;
 2. each variant's first call compiles it (progress on stderr), behind a code object of its
-   own so that dynamo's cache for one variant never serves another; the count of graphs
-   dynamo made for it is checked (one, and none after);
+   own so that dynamo's cache for one variant never serves another, and into an Inductor
+   cache of its own after an untimed warm-up compile (``compile_timing``: a later variant
+   neither reuses an earlier one's kernels nor escapes the one-time costs); the count of
+   graphs dynamo made for it is checked (one, and none after);
 3. one more call per variant runs under ``torch.profiler`` (CPU op events) and counts the
    ``_c10d_functional.all_reduce*`` ops it issues and the bytes they reduce. Under CUDA
    graphs a replay issues no ops, so this call is sent down CUDA-graph trees' eager warm-up
@@ -43,6 +45,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from fxcoalesce.apps.bench import compile_timing
 from fxcoalesce.apps.bench.records import environment, merge_ranks, percentile  # noqa: F401
 from fxcoalesce.apps.bench.timing import timed
 from fxcoalesce.apps.bench.variants import (DEFAULT_VARIANTS, bucketing_options,
@@ -86,6 +89,8 @@ class BenchOptions:
     """Untimed rounds after compilation (at least 3 with CUDA graphs: record, then replay)."""
     command: str = ""
     """The command line, recorded in the results."""
+    progress: bool = True
+    """Rank 0 says on stderr what it is doing and how long each part took."""
     trace_dir: str | None = None
     """If set, after timing: a ``torch.profiler`` chrome trace (CPU ops and, on GPU, kernels)
     of ``TRACE_CALLS`` calls of each compiled variant, rank 0's, written here as
@@ -240,7 +245,7 @@ class _Rank:
                      if "hand-merged" in opt.variants and has_hand_merged(opt.model) else None)
 
     def say(self, text: str) -> None:
-        if self.rank == 0:
+        if self.rank == 0 and self.opt.progress:
             print(text, file=sys.stderr, flush=True)
 
     def call(self, fn, args: tuple):
@@ -263,6 +268,13 @@ def bench_worker(rank: int, world: int, opt: BenchOptions) -> list[dict]:
     """One rank's part of a bench run: per token count, per variant, its step times (µs),
     collectives counted, output error and compile time."""
     r = _Rank(rank, world, opt)
+    if any(name != "eager" and not unavailable(name, opt.device, opt.backend)
+           for name in opt.variants):  # something will compile
+        r.say("warming up the compilers (a tiny graph through Inductor and fxcoalesce, "
+              "untimed) ...")
+        start = time.perf_counter()
+        compile_timing.warm_up(r.dev, dist.group.WORLD)
+        r.say(f"  done in {time.perf_counter() - start:.1f} s")
     with torch.no_grad():
         return [_bench_tokens(r, tokens) for tokens in opt.tokens]
 
@@ -300,15 +312,20 @@ def _compile_all(r: _Rank, fns: dict, args: tuple, tokens: int):
                 from fxcoalesce.lowering import distinct_p2p_ids
 
                 distinct_p2p_ids(f"inductor-one-shot {opt.model} tokens={tokens} try={k}")
-            start, error, seconds = time.perf_counter(), None, None
+            error, seconds, info = None, None, {"cache": None}
+            cache = (compile_timing.own_cache(name) if name != "eager"
+                     else contextlib.nullcontext(info))
+            start = time.perf_counter()
             try:
-                r.call(fn, args)
-                seconds = time.perf_counter() - start
-                # CUDA-graph trees record on the second call and replay on the third: a graph
-                # that cannot be recorded (torch 2.11 flags Inductor's own P2P buffers as
-                # leaked) fails here, as this variant's failure, not in the timing loop
-                for _ in range(2 if opt.cudagraphs and name != "eager" else 0):
+                with cache as info:
                     r.call(fn, args)
+                    seconds = time.perf_counter() - start
+                    # CUDA-graph trees record on the second call and replay on the third: a
+                    # graph that cannot be recorded (torch 2.11 flags Inductor's own P2P
+                    # buffers as leaked) fails here, as this variant's failure, not in the
+                    # timing loop
+                    for _ in range(2 if opt.cudagraphs and name != "eager" else 0):
+                        r.call(fn, args)
             except Exception as e:  # noqa: BLE001 - reported, and every rank moves on alike
                 error = _first_line(e)
             seconds = time.perf_counter() - start if seconds is None else seconds
@@ -317,10 +334,12 @@ def _compile_all(r: _Rank, fns: dict, args: tuple, tokens: int):
                 r.say(f"    {name} failed to compile: {failures[-1]}")
                 continue
             calls[name] = fn
-            facts[name] = {"compile_s": round(seconds, 2), "graphs": _graphs_made() - graphs,
+            facts[name] = {"compile_s": round(seconds, 2), "compile_cache": info["cache"],
+                           "graphs": _graphs_made() - graphs,
                            "cudagraph_skips": _cudagraph_skips() - skips,
                            "options": options, "reports": reports, "failed_tiers": failures}
-            r.say(f"    done in {seconds:.1f} s")
+            r.say(f"    done in {seconds:.1f} s"
+                  + (f" ({info['cache']} Inductor cache of its own)" if info["cache"] else ""))
             break
         else:
             skipped[name] = f"failed to compile: {'; '.join(failures)}"
