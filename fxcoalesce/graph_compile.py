@@ -111,16 +111,8 @@ def rewrite_agreed(gm, cfg: Config, name: str, check_ranks: bool, *,
                 report.warnings.append(f"symmetric memory cannot be used ({problem}); the "
                                        "all_reduces stay on the group's own implementation")
         return Agreed(new, report, program)
-    steps = ladder(cfg)
-    built: list[tuple] = []
     t0 = time.perf_counter()
-    for i, step in enumerate(steps):
-        if step.without_symm and not _symm(built[-1][2]):
-            built.append(built[-1])  # no symmetric memory to leave out: the same graph
-            continue
-        new, report = run_pipeline(gm, replace(step.config, dump_dir=None), name=name,
-                                   record=False, emit=False)
-        built.append((new, report, sequence_after(gm, new, report), lowered_bytes([report])))
+    steps, built = ladder_runs(gm, cfg, name, program)
     sequences = [b[2] for b in built]
     workspaces = [b[3] for b in built]
     t1 = time.perf_counter()
@@ -129,6 +121,9 @@ def rewrite_agreed(gm, cfg: Config, name: str, check_ranks: bool, *,
                           frame=frame_identity() if frame is None else frame)
     outcome, notes = prepared(outcome, cfg, sequences, name)
     new, report = built[outcome.step][:2]
+    if new is None:  # the program's own order, built only when it is the step kept
+        new, report = run_pipeline(gm, replace(steps[outcome.step].config, dump_dir=None),
+                                   name=name, record=False, emit=False)
     # what agreeing added to this compile: the pipeline at the other steps, the exchange
     first_ms = built[0][1].total_ms or 0.0
     report.agreement = {**outcome.agreement.as_dict(),
@@ -138,6 +133,26 @@ def rewrite_agreed(gm, cfg: Config, name: str, check_ranks: bool, *,
         report.agreement = agreement
     report.warnings += notes
     return Agreed(new, report, program, sequences, workspaces, outcome.step, outcome.error)
+
+
+def ladder_runs(gm, cfg: Config, name: str, program: Sequence) -> tuple[list, list[tuple]]:
+    """(the ladder of ``cfg``, per step (graph, report, sequence, workspace bytes)): the
+    pipeline at every step whose sequence can differ from the steps already run. A copy
+    without symmetric memory of a step that uses none is that step; the program's own order
+    issues the program's sequence by construction (its graph is built only if kept: None)."""
+    steps = ladder(cfg)
+    built: list[tuple] = []
+    for i, step in enumerate(steps):
+        if step.without_symm and not _symm(built[-1][2]):
+            built.append(built[-1])  # no symmetric memory to leave out: the same graph
+        elif i == len(steps) - 1 and i > 0:
+            built.append((None, None, program, 0))
+        else:
+            new, report = run_pipeline(gm, replace(step.config, dump_dir=None), name=name,
+                                       record=False, emit=False)
+            built.append((new, report, sequence_after(gm, new, report),
+                          lowered_bytes([report])))
+    return steps, built
 
 
 def _symm(sequence: Sequence) -> bool:
