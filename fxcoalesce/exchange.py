@@ -136,15 +136,16 @@ class Outcome:
 
 @dataclass(slots=True)
 class _Local:
-    """What this process knows of one program key."""
+    """What this process knows of one program key: which round of agreement it is in, and
+    the sequence it issues for the key's graphs (None: not committed, every graph so far
+    issued the program's own sequence at every step and went on without waiting)."""
 
-    evident: bool
-    """Its first proposal issued the program's own sequence at every step."""
-    entry: dict | None = None
+    round: int = 1
     active: str | None = None
-    """The digest of the sequence this rank issues for the key (the agreed one)."""
+    """The digest of the sequence this rank issues for the key's graphs."""
+    entry: dict | None = None
     rewritten: bool = False
-    """The agreed sequence is not the program's own."""
+    """The active sequence is not the program's own."""
 
 
 def _digest(texts: list[str]) -> str:
@@ -194,37 +195,46 @@ def agree_graph(name: str, cfg: Config, steps: list[Step], program: Sequence,
                        ).hexdigest()[:32]
     digests = [_digest(t) for t in texts]
     evident = all(t == prog for t in texts)
-    run = _Run(name, cfg, env, d, steps, program, canon, check_ranks)
     mine = env.local.get(d)
+    if mine is not None and mine.active is not None:
+        # a later graph of the key (a recompile, a cache hit, or another graph of the same
+        # function with the same collectives): it issues what this rank committed to, else
+        # the ranks agree again, in a new round
+        step = next((i for i, dg in enumerate(digests) if dg == mine.active), None)
+        if step is not None:
+            agreement = Agreement(compared=True, step=steps[mine.entry["step"]].label,
+                                  how="decided before", ranks=list(mine.entry["ranks"]))
+            return Outcome(step, agreement, key=d, digests=digests,
+                           ws=mine.entry.get("ws", 0), nosymm=mine.entry.get("nosymm"))
+    committed = mine is not None and mine.rewritten
     if mine is None:
-        run.proposal = {"groups": [[g, members[g]] for g in groups],
-                        "pos": {g: env.position(g) for g in groups},
-                        "steps": [{"seq": t, "ws": w} for t, w in zip(texts, workspaces)],
-                        "evident": evident}
-        first = ex.propose(d, run.proposal)
-        mine = env.local[d] = _Local(evident=first["evident"])
-        run.proposal = first
-        ex.note({"d": d, "pos": first["pos"], "first": {g: _first(program, g) for g in groups}})
-    else:
-        run.proposal = ex.proposal(d, ex.rank)
-    if mine.entry is None and mine.evident and not check_ranks:
-        # every step of this rank's first proposal issues the program's sequence: so does
-        # any decision (it agrees with that proposal), whatever and whenever it is
-        out = Outcome(0 if evident else program_step(steps),
-                      Agreement(compared=True, step=steps[-1].label, how="no wait",
-                                ranks=[ex.rank]), key=d, digests=digests)
-        run.noted(texts[out.step])
+        mine = env.local[d] = _Local()
+    elif not (mine.active is None and evident and not check_ranks):
+        mine.round += 1
+    key = d if mine.round == 1 else f"{d}.{mine.round}"
+    run = _Run(name, cfg, env, key, steps, program, canon, check_ranks)
+    run.proposal = ex.propose(key, {
+        "groups": [[g, members[g]] for g in groups],
+        "pos": {g: env.position(g) for g in groups},
+        "steps": [{"seq": t, "ws": w} for t, w in zip(texts, workspaces)]})
+    ex.note({"d": key, "pos": run.proposal["pos"],
+             "first": {g: _first(program, g) for g in groups}})
+    if evident and not check_ranks and not committed:
+        # every step issues the program's sequence here: so does any decision (it agrees
+        # with this proposal), whatever and whenever it is made
+        out = Outcome(0, Agreement(compared=True, step=steps[-1].label, how="no wait",
+                                   ranks=[ex.rank]), key=d, digests=digests)
+        run.noted(texts[0])
         return out
-    if mine.entry is None:
-        entry, how, waited = run.wait()
-        mine.entry, mine.active = entry, entry["digest"]
-        mine.rewritten = entry["digest"] != _digest(prog)
-        fresh = how in FRESH
-    else:
-        entry, how, waited, fresh = mine.entry, "decided before", 0.0, False
+    entry, how, waited = run.wait()
     agreement = run.agreement(entry, how, waited)
-    out = Outcome(entry["step"], agreement, key=d, fresh=fresh, nosymm=entry.get("nosymm"),
-                  ws=entry.get("ws", 0), error=entry.get("error"), digests=digests)
+    out = Outcome(entry["step"], agreement, key=d, fresh=how in FRESH,
+                  nosymm=entry.get("nosymm"), ws=entry.get("ws", 0), error=entry.get("error"),
+                  digests=digests)
+    if committed and how not in FRESH and out.error is None:
+        out.error = _CHANGED.format(step=agreement.step)  # the peers issue the old rewrite
+    mine.entry, mine.active = entry, entry["digest"]
+    mine.rewritten = entry["digest"] != _digest(prog)
     if out.error is None and digests[out.step] != mine.active:
         step = next((i for i, dg in enumerate(digests) if dg == mine.active), None)
         if step is None:
@@ -243,10 +253,11 @@ def without_symm(outcome: Outcome, env: RankEnv | None = None) -> Outcome:
     return replace(outcome, step=step, fresh=False)
 
 
-_CHANGED = ("this rank recompiled a graph that its peers already run as agreed ({step}), and "
-            "on this rank the passes no longer issue the agreed collectives there (its compute "
-            "changed on this rank only); the ranks could not pair them. Compile such a program "
-            "with Config(passes=('schedule',)) or plain torch.compile")
+_CHANGED = ("this rank compiled again a graph that the ranks agreed to run rewritten ({step}), "
+            "its passes no longer issue the agreed collectives there, and its peers did not "
+            "compile it again (its compute changed on this rank only): the ranks could not "
+            "pair them. Compile such a program with Config(passes=('schedule',)) or plain "
+            "torch.compile")
 
 
 def _first(program: Sequence, group: str) -> str | None:
