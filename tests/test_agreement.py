@@ -266,3 +266,36 @@ def test_a_hang_fails_in_seconds_not_minutes():
     with pytest.raises(RankError):
         spawn(_lonely, 2, (), backend="gloo", timeout=120, group_timeout_s=5)
     assert time.monotonic() - t0 < 60
+
+
+# --- one function, two graphs with the same collectives (a later graph of a program key) ---
+
+def twoways(x, w, independent: bool):
+    """Dynamo specializes on ``independent``: two graphs of one function whose collectives
+    look alike (the same program key); only the second pair is independent (mergeable)."""
+    a = ar(x * 2)
+    b = ar((x if independent else a) * 3)
+    return a, b
+
+
+def _twoways_run(rank, world, order):
+    torch.set_num_threads(1)
+    x, _ = inputs(rank)
+    f = compiled(twoways, "eager", agree_timeout_s=60)
+    out = []
+    with torch.no_grad():
+        for independent in order:
+            want = waited(twoways(x, x, independent))
+            got = waited(f(x, x, independent))
+            out.append(all(torch.allclose(g, w) for g, w in zip(got, want)))
+    return {"equal": out, "after": [r.all_reduce["after"] for r in fxcoalesce.reports()],
+            "how": [r.agreement.get("how") for r in fxcoalesce.reports()]}
+
+
+@pytest.mark.parametrize("order", [(False, True), (True, False)])
+def test_two_graphs_of_one_function_with_alike_collectives_each_agree(order):
+    res = spawn(_twoways_run, 2, (order,), backend="gloo", timeout=300,
+                group_timeout_s=GROUP_TIMEOUT_S)
+    want_after = [1 if independent else 2 for independent in order]
+    for r in res:
+        assert all(r["equal"]) and r["after"] == want_after, r
