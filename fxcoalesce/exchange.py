@@ -200,7 +200,7 @@ def agree_graph(name: str, cfg: Config, steps: list[Step], program: Sequence,
         # a later graph of the key (a recompile, a cache hit, or another graph of the same
         # function with the same collectives): it issues what this rank committed to, else
         # the ranks agree again, in a new round
-        step = next((i for i, dg in enumerate(digests) if dg == mine.active), None)
+        step = _issuing(digests, mine.active, mine.entry.get("active_step"))
         if step is not None:
             agreement = Agreement(compared=True, step=steps[mine.entry["step"]].label,
                                   how="decided before", ranks=list(mine.entry["ranks"]))
@@ -233,23 +233,33 @@ def agree_graph(name: str, cfg: Config, steps: list[Step], program: Sequence,
                   digests=digests)
     if committed and how not in FRESH and out.error is None:
         out.error = _CHANGED.format(step=agreement.step)  # the peers issue the old rewrite
-    mine.entry, mine.active = entry, entry["digest"]
+    mine.entry, mine.active = {**entry, "active_step": entry["step"]}, entry["digest"]
     mine.rewritten = entry["digest"] != _digest(prog)
     if out.error is None and digests[out.step] != mine.active:
-        step = next((i for i, dg in enumerate(digests) if dg == mine.active), None)
+        step = _issuing(digests, mine.active, None)
         if step is None:
             out.error = _CHANGED.format(step=agreement.step)
         else:
             out.step, out.fresh = step, False
+    mine.entry["active_step"] = out.step
     run.noted(texts[out.step])
     return out
+
+
+def _issuing(digests: list[str], active: str, preferred: int | None) -> int | None:
+    """The step of this graph that issues the sequence of digest ``active``: ``preferred``
+    (the step this rank compiled before) when it does, else the first that does."""
+    if preferred is not None and preferred < len(digests) and digests[preferred] == active:
+        return preferred
+    return next((i for i, dg in enumerate(digests) if dg == active), None)
 
 
 def without_symm(outcome: Outcome, env: RankEnv | None = None) -> Outcome:
     """``outcome`` moved to its step without symmetric memory (preparing it failed, on
     every rank alike): this process issues that step's sequence for the key from now on."""
     step = outcome.nosymm if outcome.nosymm is not None else len(outcome.digests) - 1
-    (env or process_env()).local[outcome.key].active = outcome.digests[step]
+    mine = (env or process_env()).local[outcome.key]
+    mine.active, mine.entry["active_step"] = outcome.digests[step], step
     return replace(outcome, step=step, fresh=False)
 
 

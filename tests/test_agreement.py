@@ -299,3 +299,23 @@ def test_two_graphs_of_one_function_with_alike_collectives_each_agree(order):
     want_after = [1 if independent else 2 for independent in order]
     for r in res:
         assert all(r["equal"]) and r["after"] == want_after, r
+
+
+def _dump_run(rank, world, directory):
+    torch.set_num_threads(1)
+    x, w = inputs(rank)
+    with torch.no_grad():
+        compiled(pair, "eager", agree_timeout_s=60, dump_dir=directory)(x, w)
+    return rank
+
+
+def test_a_dumped_report_carries_the_agreement(tmp_path):
+    import json
+
+    spawn(_dump_run, 2, (str(tmp_path),), backend="gloo", timeout=300,
+          group_timeout_s=GROUP_TIMEOUT_S)
+    for rank in range(2):
+        [path] = (tmp_path / f"rank{rank}").glob("graph_*/report.json")
+        agreement = json.loads(path.read_text())["agreement"]
+        assert agreement["compared"] and agreement["how"] == "agreed", agreement
+        assert agreement["ranks"] == [0, 1]

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from . import symm
+from .one_shot import _reference  # the same sum: c10d's all_reduce of a copy
 
 NCCL = "NCCL"
 OP_NAME = "fxcoalesce::nccl_symm_all_reduce"
@@ -68,13 +69,6 @@ def use_nccl_backend() -> tuple[bool, str]:
 @torch.library.register_fake(OP_NAME)
 def _fake(input, group_name):
     return torch.empty_like(input, memory_format=torch.contiguous_format)
-
-
-def _reference(input, group_name):
-    out = input.clone(memory_format=torch.contiguous_format)
-    if symm.group_size(group_name) > 1:
-        dist.all_reduce(out, group=symm.resolve_group(group_name))
-    return out
 
 
 _READY: dict[str, tuple[bool, str]] = {}
