@@ -592,10 +592,11 @@ def compile_ranks(p: Program, cfg: fxcoalesce.Config, extras: list[tuple[Extra, 
     return out
 
 
-def running(p: Program, rank: int, comps: list[Compiled], steps: list[tuple]) -> GraphModule | Chain:
+def running(p: Program, rank: int, extras: tuple[Extra, ...], comps: list[Compiled],
+            steps: list[tuple]) -> GraphModule | Chain:
     """The graph(s) rank ``rank`` runs: each part's build at its step."""
     gms = [c.builds[step][0] for c, (step, _) in zip(comps, steps, strict=True)]
-    template = build_rank(p, rank) if len(gms) > 1 else None
+    template = build_rank(p, rank, extras) if len(gms) > 1 else None
     return gms[0] if template is None else replace(template, parts=tuple(gms))
 
 
@@ -632,7 +633,7 @@ def check_program(p: Program, cfg: fxcoalesce.Config) -> list[str]:
                     f"rank {r} runs a graph that a peer cut differently rewritten")
                 labels.append("cut differently: program order")
     if spmd(p):  # every rank compiles the same graph (up to group names): the first step
-        assert all(o.step == 0 and o.agreement.how == "agreed" for o in outcomes), [
+        assert all(o.step == 0 and o.agreement.how in ("agreed", "no wait") for o in outcomes), [
             (o.step, o.agreement.how, o.agreement.differences) for o in outcomes]
         labels.append("spmd")
     if any(own.cuts for own in p.ranks):
@@ -661,7 +662,7 @@ def check_program(p: Program, cfg: fxcoalesce.Config) -> list[str]:
     for r, run in enumerate(runs):
         comps, steps = ((recompiled[r], run.again) if run.again is not None
                         else (compiled[r], run.first))
-        graphs.append(running(p, r, comps, steps))
+        graphs.append(running(p, r, ran_extras[r], comps, steps))
         reports.append((comps, steps))
     # the decided graphs issue paired collectives: simulate raises at the first difference
     got = simulate(graphs, inputs, topo.groups)
