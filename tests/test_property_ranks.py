@@ -237,15 +237,20 @@ def programs(draw) -> Program:
         1, len(ops) - 1)
     cuts = st.just(()) | st.lists(cut_at, min_size=1, max_size=2, unique=True).map(
         lambda c: tuple(sorted(c)))
-    recompile = st.none() | st.lists(extra, max_size=2).map(tuple)
-    own = st.builds(RankCompute, extras, st.none() | st.integers(0, 2**16), cuts, recompile)
-    plain = st.just(RankCompute())
-    # rank-local cuts or recompiles alone (a print under ``if rank == 0:``), without extras
-    local = st.builds(RankCompute, cuts=cuts, recompile=recompile)
-    if draw(st.sampled_from(["spmd", "mixed", "mixed", "mixed"])) == "spmd":
-        ranks = (RankCompute(),) * world
+    recompile = st.lists(on_dep | extra, max_size=2).map(tuple)
+    own = st.builds(RankCompute, extras, st.none() | st.integers(0, 2**16))
+    mode = draw(st.sampled_from(["spmd", "extras", "extras", "local", "local", "same cuts"]))
+    if mode == "spmd":
+        ranks = [RankCompute()] * world
+    elif mode == "same cuts":  # every rank breaks the program at the same places
+        ranks = [RankCompute(cuts=draw(cuts.filter(bool)))] * world
     else:
-        ranks = tuple(draw(plain | own | local) for _ in range(world))
+        ranks = [draw(st.just(RankCompute()) | own) for _ in range(world)]
+    if mode == "local":  # one or two ranks break their graph or recompile (``if rank == 0``)
+        for r in draw(st.lists(st.integers(0, world - 1), min_size=1, max_size=2, unique=True)):
+            ranks[r] = replace(ranks[r], cuts=draw(cuts),
+                               recompile=draw(st.none() | recompile))
+    ranks = tuple(ranks)
     rename = draw(st.none() | st.integers(0, 50))
     return Program(n, inputs, tuple(ops), ranks, topology, rename)
 
@@ -652,7 +657,7 @@ def check_program(p: Program, cfg: fxcoalesce.Config) -> list[str]:
     if any(own.recompile is not None for own in p.ranks):
         labels.append("recompiles")
     if raised:
-        return labels + ["a rank raised on a recompile (not run)"]
+        return sorted(set(labels + ["a rank raised on a recompile (not run)"]))
     inputs = [rank_inputs(p, r) for r in range(world)]
     ran_extras = [own.extras if own.recompile is None else own.recompile for own in p.ranks]
     # the program keeps one sequence on every rank before any pass (else the test is wrong)
@@ -666,7 +671,8 @@ def check_program(p: Program, cfg: fxcoalesce.Config) -> list[str]:
         reports.append((comps, steps))
     # the decided graphs issue paired collectives: simulate raises at the first difference
     got = simulate(graphs, inputs, topo.groups)
-    merged = False
+    merged = any(len(g) < len(w) for g, w in zip(got.by_rank, want.by_rank, strict=True))
+    caps: dict[tuple, bool] = {}
     for r in range(world):
         # every rank computes what it computed before
         for w, g in zip(want.outputs[r], got.outputs[r], strict=True):
@@ -679,6 +685,7 @@ def check_program(p: Program, cfg: fxcoalesce.Config) -> list[str]:
         step_cfg = ladder(cfg)[step].config if comp.compare else cfg
         a = report.all_reduce
         bound = a["lower_bound"] + a["left_alone"]
+        bucketing = "bucket" in step_cfg.enabled_passes
         # the analysis sees the program's dependencies whatever a rank's extra compute
         assert a["left_alone"] or a["lower_bound"] == oracle_bound(p, r, ran_extras[r])
         # launches never rise, and never beat the bound
@@ -686,16 +693,17 @@ def check_program(p: Program, cfg: fxcoalesce.Config) -> list[str]:
         assert len(got.by_rank[r]) == a["after"]
         # the bound is reached when bucketing runs and neither the cap nor interlocked
         # keys (a reported fallback to global levels) stand in the way
-        bucketing = "bucket" in step_cfg.enabled_passes
         interlocked = any("interlock" in w for w in report.warnings)
-        capped = cap_splits(comp.gm, step_cfg.bucket_cap_bytes) or cap_splits(
-            before_bucket(comp.gm, step_cfg), step_cfg.bucket_cap_bytes)
+        if (id(comp), step) not in caps:  # ranks with equal graphs share one check
+            caps[id(comp), step] = cap_splits(comp.gm, step_cfg.bucket_cap_bytes) or (
+                bucketing and cap_splits(before_bucket(comp.gm, step_cfg),
+                                         step_cfg.bucket_cap_bytes))
+        capped = caps[id(comp), step]
         apart = any(d.get("chose") not in ("merge all", "slice") for d in report.decisions)
         if bucketing and not interlocked and not capped and not apart:
             assert a["after"] == bound
         if not bucketing:
             assert a["after"] == a["before"]
-        merged |= a["after"] < a["before"]
         if bucketing and capped:
             labels.append("capped")
         if interlocked:
@@ -706,7 +714,7 @@ def check_program(p: Program, cfg: fxcoalesce.Config) -> list[str]:
         labels.append("merged")
     if any(run.again is not None for run in runs):
         labels.append("recompiles ran")
-    return labels
+    return sorted(set(labels))
 
 
 @st.composite
@@ -811,12 +819,61 @@ KNOWN = {
                        Op("ar", (0,), Reduce("sum", "1", torch.float64, 2, False))),
                 (RankCompute(),) * WORLD),
         fxcoalesce.Config(strict=True, bucket_cap_mb=64 / 2**20)),
-}
+
+    # issue 20 §1: a print under ``if rank == 0:`` between the two sums breaks rank 0's graph
+    # in two; ranks 1-7 compile one graph. Rank 0's graphs have other program keys, so the
+    # peers end their wait on evidence (rank 0 compiles another graph from collective 0 of
+    # group 0) and everyone runs the program's order
+    "break_on_rank_0": (
+        Program(2, 2, (Op("ar", (0,), SUM0), Op("ar", (1,), SUM0)),
+                (RankCompute(cuts=(1,)),) + (RankCompute(),) * (WORLD - 1)),
+        fxcoalesce.Config(strict=True)),
+    # every rank breaks at the same place: each part is agreed (and rewritten) on its own
+    "same_break_everywhere": (
+        Program(2, 2, (Op("ar", (0,), SUM0), Op("ar", (1,), SUM0), Op("ar", (0,), SUM1),
+                       Op("ar", (1,), SUM1)),
+                (RankCompute(cuts=(2,)),) * WORLD),
+        fxcoalesce.Config(strict=True)),
+    # issue 20 §1: rank 7 recompiles (a Python value changed there only) into a graph whose
+    # second sum reads the first: the ranks agreed on the merged pair, which rank 7 can no
+    # longer issue, so its recompile gets Outcome.error (it raises; nothing runs)
+    "recompile_cannot_issue_agreed": (
+        Program(2, 2, (Op("ar", (0,), SUM0), Op("ar", (1,), SUM0)),
+                (RankCompute(),) * (WORLD - 1) + (
+                    RankCompute(recompile=(Extra(1, True, "dep", 2),)),)),
+        fxcoalesce.Config(strict=True)),
+    # the recompile issues the agreed sequence at another step: it runs
+    "recompile_keeps_agreed": (
+        Program(2, 2, (Op("ar", (0,), SUM0), Op("ar", (1,), SUM0)),
+                (RankCompute(),) * (WORLD - 1) + (
+                    RankCompute(recompile=(Extra(1, True, "const", 1),)),)),
+        fxcoalesce.Config(strict=True)),
+    # issue 20 §2 on a TP x DP grid: TP sums ("1"/"2") and DP sums ("3"/"4") interleaved;
+    # rank 0 makes its DP sum read its first TP sum, so bucketing the TP sums would put
+    # rank 0's DP sum after both TP sums and its peers' before: one interleaving or none
+    "grid_interleaving_by_rank": (
+        Program(2, 2, (Op("ar", (0,), SUM0), Op("ar", (1,), SUM1), Op("ar", (1,), SUM0)),
+                (RankCompute((Extra(1, True, "dep", 2),)),) + (RankCompute(),) * 3,
+                topology="tpdp4"),
+        fxcoalesce.Config(strict=True)),
+    # sizes renamed by rank: the SPMD program still merges (and agrees on step 0)
+    "renamed_sizes_merge": (
+        Program(3, 2, (Op("ar", (0,), Reduce("sum", "0", torch.float64, 2, False)),
+                       Op("ar", (1,), SUM0), Op("ar", (1,), SUM1)),
+                (RankCompute(),) * 4, topology="tp4", rename=5),
+        fxcoalesce.Config(strict=True)),}
 
 
 @pytest.mark.parametrize("name", KNOWN)
 def test_known_counterexamples(name):
-    check_program(*KNOWN[name])
+    labels = check_program(*KNOWN[name])
+    expect = {"break_on_rank_0": "cut differently: program order",
+              "same_break_everywhere": "merged",
+              "recompile_cannot_issue_agreed": "a rank raised on a recompile (not run)",
+              "recompile_keeps_agreed": "recompiles ran",
+              "renamed_sizes_merge": "merged"}
+    if name in expect:
+        assert expect[name] in labels, labels
 
 
 def test_simulate_reduces_and_reports_mismatch():
