@@ -82,9 +82,10 @@ WORLD = 8
 MOD = 7.0  # products are taken mod 7 so values stay small integers
 COMPUTE = ("add", "sub", "mul", "mm", "t", "reshape")
 BINARY = ("add", "sub", "mul", "mm")
-TIMEOUT_S = 0.3
-"""The agreement's bounded wait here (ranks that never compile a graph end it early, on
-evidence, nearly always)."""
+TIMEOUT_S = 2.0
+"""The agreement's bounded wait here. Waits for a graph a peer never compiles end early on
+evidence (no drawn example timed out); 0.3 s made SPMD decisions timing-dependent on a
+loaded 2-core machine (a late-started rank thread: the others timed out)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -372,7 +373,8 @@ def build_rank(p: Program, rank: int, extras: tuple[Extra, ...] | None = None,
             vals[v] = node
 
         for i, x in enumerate(inputs):
-            bind(i, x)
+            if i not in carried:
+                bind(i, x)
         for v, val in carried.items():
             vals[v] = b.input_like(f"c{v}", val)
         for i in seg:
@@ -384,8 +386,12 @@ def build_rank(p: Program, rank: int, extras: tuple[Extra, ...] | None = None,
                     args[0] = emit_extra(b, args[0], e, rank, inputs, read)
             group = p.topo.roles[op.reduce.group][rank] if op.reduce else ""
             bind(p.inputs + i, emit(b, op, args, p.n, group))
-        later = {v for s in segments[j + 1:] for i in s for v in reads(i) if v >= p.inputs}
-        passed = sorted(later & set(vals) - set(range(p.inputs)))
+        # an input with the rank's compute on it is a value of this graph (computed once:
+        # an in-place sum may write into it), carried like the ops' results
+        own_inputs = {e.target for e in extras if not e.read and e.target < p.inputs}
+        later = {v for s in segments[j + 1:] for i in s for v in reads(i)
+                 if v >= p.inputs or v in own_inputs}
+        passed = sorted(later & set(vals))
         mine = [v for v in out_values if v - p.inputs in seg]
         parts.append(b.build(*(vals[v] for v in passed + mine)))
         carries.append(len(passed))
@@ -539,8 +545,10 @@ def agree_ranks(p: Program, cfg: fxcoalesce.Config, compiled: list[list[Compiled
     agree_cfg = replace(cfg, agree_timeout_s=TIMEOUT_S)
     runs = [RankRun() for _ in range(topo.world)]
     errors: list[BaseException] = []
+    start = threading.Barrier(topo.world)
 
     def rank_main(r: int) -> None:
+        start.wait()  # the ranks compile together (a late rank is the timeout's business)
         counts: dict[str, int] = {}
         env = RankEnv(Exchange(store, r, namespace), members=lambda g: list(topo.groups[g]),
                       position=lambda g: counts.get(g, 0))
@@ -584,6 +592,16 @@ def agree_ranks(p: Program, cfg: fxcoalesce.Config, compiled: list[list[Compiled
 
 # --- the property ---
 
+def built_rank(p: Program, rank: int, extras: tuple[Extra, ...], cut: bool, cache: dict
+               ) -> GraphModule | Chain:
+    """:func:`build_rank`, once per graph (fake-tensor building is the test's largest cost)."""
+    k = graph_key(p, rank, extras)
+    k = (k, cut) if cut and p.ranks[rank].cuts else ((k[0], k[1], *k[3:]), False)
+    if k not in cache:
+        cache[k] = build_rank(p, rank, extras, cut)
+    return cache[k]
+
+
 def compile_ranks(p: Program, cfg: fxcoalesce.Config, extras: list[tuple[Extra, ...] | None],
                   built: dict[tuple, list[Compiled]]) -> list[list[Compiled] | None]:
     """Each rank's parts through the pipeline; ranks with equal graphs share one build
@@ -594,16 +612,17 @@ def compile_ranks(p: Program, cfg: fxcoalesce.Config, extras: list[tuple[Extra, 
             out.append(None)
             continue
         if (k := graph_key(p, r, ex)) not in built:
-            built[k] = [compile_graph(gm, cfg) for gm in parts_of(build_rank(p, r, ex))]
+            built[k] = [compile_graph(gm, cfg)
+                        for gm in parts_of(built_rank(p, r, ex, True, built.setdefault("gm", {})))]
         out.append(built[k])
     return out
 
 
 def running(p: Program, rank: int, extras: tuple[Extra, ...], comps: list[Compiled],
-            steps: list[tuple]) -> GraphModule | Chain:
+            steps: list[tuple], cache: dict) -> GraphModule | Chain:
     """The graph(s) rank ``rank`` runs: each part's build at its step."""
     gms = [c.builds[step][0] for c, (step, _) in zip(comps, steps, strict=True)]
-    template = build_rank(p, rank, extras) if len(gms) > 1 else None
+    template = built_rank(p, rank, extras, True, cache) if len(gms) > 1 else None
     return gms[0] if template is None else replace(template, parts=tuple(gms))
 
 
@@ -617,7 +636,7 @@ def check_program(p: Program, cfg: fxcoalesce.Config) -> list[str]:
     topo = p.topo
     world = topo.world
     assert len(p.ranks) == world
-    built: dict[tuple, list[Compiled]] = {}
+    built: dict = {"gm": {}}
     compiled = compile_ranks(p, cfg, [own.extras for own in p.ranks], built)
     recompiled = compile_ranks(p, cfg, [own.recompile for own in p.ranks], built)
     store = dist.HashStore()
@@ -664,13 +683,13 @@ def check_program(p: Program, cfg: fxcoalesce.Config) -> list[str]:
     inputs = [rank_inputs(p, r) for r in range(world)]
     ran_extras = [own.extras if own.recompile is None else own.recompile for own in p.ranks]
     # the program keeps one sequence on every rank before any pass (else the test is wrong)
-    want = simulate([build_rank(p, r, ran_extras[r], cut=False) for r in range(world)], inputs,
-                    topo.groups)
+    want = simulate([built_rank(p, r, ran_extras[r], False, built["gm"]) for r in range(world)],
+                    inputs, topo.groups)
     graphs, reports = [], []
     for r, run in enumerate(runs):
         comps, steps = ((recompiled[r], run.again) if run.again is not None
                         else (compiled[r], run.first))
-        graphs.append(running(p, r, ran_extras[r], comps, steps))
+        graphs.append(running(p, r, ran_extras[r], comps, steps, built["gm"]))
         reports.append((comps, steps))
     # the decided graphs issue paired collectives: simulate raises at the first difference
     got = simulate(graphs, inputs, topo.groups)
