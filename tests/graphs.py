@@ -45,6 +45,15 @@ class GraphBuilder:
                 node.meta["val"] = torch.empty(shape, dtype=dtype)
         return node
 
+    def input_like(self, name: str, val: torch.Tensor) -> Node:
+        """A placeholder whose fake value has ``val``'s shape, strides and dtype (a value that
+        crosses a graph break: an output of one graph, an input of the next)."""
+        node = self.graph.placeholder(name)
+        with self.mode:
+            node.meta["val"] = torch.empty_strided(tuple(val.shape), tuple(val.stride()),
+                                                   dtype=val.dtype)
+        return node
+
     def call(self, target, *args, **kwargs) -> Node:
         node = self.graph.call_function(target, args, kwargs)
         propagate_val(node, self.mode)
