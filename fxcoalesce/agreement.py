@@ -163,10 +163,16 @@ def _group_arg(desc: str, group: str | None, role: str) -> str:
 
 
 def canonical(program: Sequence, *others: Sequence) -> tuple[Canon, list[str], list[list[str]]]:
-    """``program`` and ``others`` in one rank-invariant form (one renaming for all)."""
+    """``program`` and ``others`` in one rank-invariant form: one renaming of the program's
+    groups and symbols for all; a symbol only one of ``others`` has is numbered within it
+    (so what one step introduces never shifts another step's names)."""
     canon = Canon()
     prog = canon.sequence(program)
-    return canon, prog, [canon.sequence(s) for s in others]
+    rest = []
+    for seq in others:
+        own = Canon(dict(canon.roles), dict(canon.symbols))
+        rest.append(own.sequence(seq))
+    return canon, prog, rest
 
 
 # --- the decision, a pure function of complete proposals ---

@@ -212,15 +212,23 @@ def _slack_run(rank, world):
     return {"got": got, "want": eager(slack_differs, _inputs(rank)),
             "choices": [[d["chose"] for d in r.decisions if d["pass"] == "bucket"]
                         for r in reports],
+            "agreement": [r.agreement for r in reports],
             "after": [r.all_reduce["after"] for r in reports]}
 
 
 def test_ranks_agree_on_cost_model_choices():
     res = spawn(_slack_run, 2, (), backend="gloo", timeout=300)
-    # the local choices differed (rank 0 kept the pair apart, rank 1 merged it) ...
-    assert res[0]["choices"][0] == ["separate"] and res[1]["choices"][0] == ["merge all"]
-    # ... so both recompiled with every group merged, and computed the right values
-    assert [r["after"] for r in res] == [[2, 1], [1, 1]]
+    # the local choices differed (rank 0 kept the pair apart, rank 1 merged it: the first
+    # difference the agreement names) ...
+    for r in res:
+        [agreement] = r["agreement"]
+        assert agreement["how"] == "fell back", agreement
+        assert agreement["step"] == "without the choices that read compute"
+        assert "rank 0 issues all_reduce(sum, 0) -> float32[512, 1024] <- #0" in (
+            agreement["differences"][0])
+    # ... so both compiled with every group merged, and computed the right values
+    assert [r["choices"] for r in res] == [[["merge all"]], [["merge all"]]]
+    assert [r["after"] for r in res] == [[1], [1]]
     for r in res:
         for got, want in zip(r["got"], r["want"], strict=True):
             torch.testing.assert_close(got, want)
