@@ -647,10 +647,17 @@ def check_program(p: Program, cfg: fxcoalesce.Config) -> list[str]:
     labels = [f"topology {p.topology}"]
     if p.rename is not None:  # the decisions concrete sizes give
         concrete = agree_ranks(p, cfg, compiled, recompiled, store, "concrete", rename=False)
-        for mine, theirs in zip(runs, concrete, strict=True):
-            assert [s for s, _ in mine.first] == [s for s, _ in theirs.first]
-            assert (mine.raised is None) == (theirs.raised is None)
-        labels.append("sizes renamed by rank")
+        # renamed sizes decide as concrete ones, where every wait ended by a decision (a
+        # thread starved past TIMEOUT_S on the loaded machine falls back: safe, but another
+        # outcome; seen once in a 10k run whose example then did not reproduce)
+        timed_out = any(o is not None and "timed out" in (o.agreement.how,
+                                                          *o.agreement.differences)
+                        for run in (*runs, *concrete) for _, o in run.first)
+        if not timed_out:
+            for mine, theirs in zip(runs, concrete, strict=True):
+                assert [s for s, _ in mine.first] == [s for s, _ in theirs.first]
+                assert (mine.raised is None) == (theirs.raised is None)
+        labels.append("sizes renamed by rank" + (" (a wait timed out)" if timed_out else ""))
     outcomes = [o for run in runs for _, o in run.first if o is not None]
     hows = {o.agreement.how for o in outcomes}
     labels += [f"agreement: {h}" for h in sorted(hows)]
