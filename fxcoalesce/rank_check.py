@@ -31,11 +31,6 @@ def groups_of(sequence: Sequence) -> list[str]:
     return sorted({g for g, _ in sequence if g is not None})
 
 
-def on_group(sequence: Sequence, name: str) -> list[str]:
-    """The descriptions of the collectives that run on group ``name`` (and the opaque ones)."""
-    return [d for g, d in sequence if g in (name, None)]
-
-
 def first_difference(sequences: list[list[str]], ranks: list[int]) -> str | None:
     """A sentence naming the first place where any rank's sequence differs from the first's."""
     ref = sequences[0]
