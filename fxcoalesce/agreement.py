@@ -42,15 +42,37 @@ the whole closure. (c) Every other rank of those groups is in the closure. So an
 that share a group take the same step for ``D``, and a rewritten graph runs only where all
 its peers run the same rewritten graph from the same place. Waits end: each is bounded by
 ``agree_timeout_s``, and no rank waits for a peer that waits for it at the same place (they
-see each other's proposal). The one thing no scheme without a run-time check can make safe,
-and which fxcoalesce warns about where it can see it: a rank that recompiles, with another
-cut, a stretch of the program that the ranks already run rewritten (its peers keep running
-the old graph). Until then the program's own sequence is what every rank falls back to.
+see each other's proposal). What no compile-time scheme can make safe is a rank that
+recompiles, with another cut, a stretch of the program the ranks already run rewritten (its
+peers keep running the old graph): that is the run-time half below.
 
 ``check_ranks`` turns a difference in what ranks would issue (their rewrites differ, or a
 peer issues another collective at the same place: the program differs) into
 :class:`CollectiveMismatchError` on every rank at the graph's first call; a different cut
 into graphs is not such a difference.
+
+**At run time** (the rest of the job; ``passes.tag``, ``runtime``). What a rank may assume
+about its peers once the agreement is made, and how each assumption is kept:
+
+- *They stay in one process group.* A compiled graph checks at every call that the default
+  group is the one it agreed in (one attribute read); a group made anew makes it agree
+  again in the new store, offering only what it can run now (``runtime.Guarded``).
+- *They recompile together, or issue the same sequence when they recompile alone.* Two
+  ranks whose graphs are specialized on different values (one reads the step under
+  ``if rank == 0:``) will recompile apart later: :func:`decide` keeps the program's order
+  for them from the start ("guards differ"), and a later graph of that function is not
+  waited for. Where a rank still re-cuts or recompiles a rewritten stretch alone, the tags
+  (``passes.tag``) make the first pairing with a peer that runs the rewrite fail its check
+  on every rank of the pair, before any value is returned; the argument is in that
+  module. (A rank whose recompile can still issue the agreed sequence keeps it.)
+- *They are alive.* A rank whose process ends leaves ``gone/<rank>`` in the store at exit,
+  and says where it runs (host, pid) when it starts, so a peer waiting for its proposal
+  stops at once; no wait is longer than the shortest timeout of the graph's groups.
+
+Assumed at run time, beyond the program issuing the same collectives on every rank: the
+same ``Config`` on every rank, and every rank running compiled graphs (a rank that runs
+the stretch uncompiled, e.g. after Dynamo's recompile limit, issues untagged collectives:
+gloo then aborts on the size, loudly; NCCL is not guaranteed to).
 """
 
 from __future__ import annotations
@@ -208,6 +230,10 @@ def decide(proposals: dict[int, dict], steps: list[Step], check_ranks: bool) -> 
     if why:
         return {**entry, "step": last, "ws": 0, "nosymm": last, "how": "cut differently",
                 "why": why}
+    why = _guarded_apart(proposals)
+    if why:
+        return {**entry, "step": last, "ws": 0, "nosymm": last, "how": "guards differ",
+                "why": why}
 
     def agreed(i: int) -> bool:
         return all(proposals[r]["steps"][i]["seq"] == proposals[ranks[0]]["steps"][i]["seq"]
@@ -237,6 +263,22 @@ def decide(proposals: dict[int, dict], steps: list[Step], check_ranks: bool) -> 
             "why": "no step agreed"}
 
 
+def _guarded_apart(proposals: dict[int, dict]) -> str | None:
+    """Why a later call may recompile this graph on some ranks only: a value one rank's
+    graph is specialized on and another's is not (read under ``if rank == 0:``), or None.
+    A rewrite agreed now would then meet, on the peers that keep it, a rank that runs the
+    program differently cut or computed; the program's own order pairs whatever it runs."""
+    ranks = sorted(proposals)
+    sets = {r: set(proposals[r].get("guards", ())) for r in ranks}
+    for r in ranks[1:]:
+        if sets[r] != sets[ranks[0]]:
+            only = sorted(sets[ranks[0]] ^ sets[r])
+            a, b = (ranks[0], r) if only[0] in sets[ranks[0]] else (r, ranks[0])
+            return (f"rank {a}'s graph is specialized on {', '.join(only[:3])} and rank "
+                    f"{b}'s is not: when that value changes, rank {a} alone compiles again")
+    return None
+
+
 def _misplaced(proposals: dict[int, dict]) -> str | None:
     """Why ranks with one program key are not at one place of the program (a group playing
     different roles, or reached at different points of its stream), or None."""
@@ -263,15 +305,22 @@ class Agreement:
     how: str = ""
     """"agreed" (every rank of the closure proposed, the first step agreed), "fell back"
     (an earlier step differed), "cut differently" (a peer compiles another graph here),
-    "program differs" (a peer issues another collective here), "timed out", "decided before"
+    "program differs" (a peer issues another collective here), "timed out", "peer gone" (a
+    peer's process ended before it compiled this graph), "guards differ" (a rank's graph is
+    specialized on a value its peers' are not: it would recompile alone), "decided before"
     (a recompile read the decision), "no wait" (every step issues the program's own sequence
     here, so any decision does), "" (not compared)."""
     differences: list[str] = field(default_factory=list)
     """The difference each rejected step had, first to last."""
     waited_s: float = 0.0
     ranks: list[int] = field(default_factory=list)
+    why: str = ""
+    """Why the ranks fell back to the program's own order (a peer's other cut, with where
+    it cut its graph when known; who never compiled; ...), "" where they did not."""
+    checks: list[str] = field(default_factory=list)
+    """The run-time tags the graph carries (``passes.tag``), one line each."""
 
     def as_dict(self) -> dict:
         return {"compared": self.compared, "step": self.step, "how": self.how,
-                "differences": self.differences, "waited_s": round(self.waited_s, 3),
-                "ranks": self.ranks}
+                "why": self.why, "differences": self.differences,
+                "waited_s": round(self.waited_s, 3), "ranks": self.ranks, "checks": self.checks}

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx import GraphModule, Node
 
-from .collectives import CommBlock, CommScan, Key, find_comm_blocks
+from .collectives import WAIT, CommBlock, CommScan, Key, find_comm_blocks, op_of
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,11 +109,16 @@ def analyze(gm: GraphModule | torch.fx.Graph, scan: CommScan | None = None) -> A
     running, fence = zero, zero
     levels: dict[CommBlock, tuple[int, int]] = {}
     barriers = []
+    barrier_set: set[Node] = set()
     for n in nodes:
         d = fence
         for i in n.all_input_nodes:
             d = _vmax(d, depth[i])
-        if is_barrier(n, by_coll.keys()):
+        # a collective left alone that mutates its input (all_reduce_ of a view) is a
+        # barrier, and so is its wait: the mutation lands there, and nothing that reads the
+        # mutated storage may be issued before it
+        if is_barrier(n, by_coll.keys()) or (op_of(n) is WAIT and n.args[0] in barrier_set):
+            barrier_set.add(n)
             barriers.append(n)
             d = fence = _vmax(running, d)
         elif n in by_wait:

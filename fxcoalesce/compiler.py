@@ -88,6 +88,9 @@ def backend(config: Config | None = None, *, on_graph: Callable | None = None,
     """
     from fxcoalesce.passes import check_config
 
+    from .exchange import announce
+
+    announce()  # where this rank runs: peers see at once if it dies before compiling
     cfg = _with_env_dump(config or Config())
     check_config(cfg)
     if config is None or config.cost == Config().cost:

@@ -288,6 +288,14 @@ class Config:
     dump_passes: bool = False
     """With ``dump_dir``: also write the graph after each pass that changed it
     (``after_<pass>.txt``), to see which pass did what."""
+    run_checks: bool = True
+    """Make a run-time mispairing loud: where ranks agree on a graph, its all_reduces carry a
+    tag that every rank checks after the collective (``passes.tag``), so a peer that runs
+    another graph there (it re-cut or recompiled alone a stretch the ranks agreed to run
+    rewritten) raises on every rank instead of computing wrong values. It costs one element
+    per tagged all_reduce and a copy where the producer cannot write into the tagged
+    buffer, and keeps each graph's first all_reduce out of buckets, slices and lowerings.
+    Must be the same on every rank. ``False``: no tags (a re-cut can then pair wrong)."""
     lower: bool = True
     """Let ``fuse_norm`` and ``lower`` run all_reduces with the implementations a calibrated
     profile predicts faster (symmetric-memory one-shot / two-shot, the fused all_reduce + add
@@ -312,7 +320,8 @@ class Config:
                                     or not (math.isfinite(timeout) and timeout >= 0)):
             raise ValueError(f"agree_timeout_s must be a number of seconds >= 0 or None, not "
                              f"{timeout!r}")
-        for name in ("reassociate", "strict", "slack_aware", "check_ranks", "lower", "dump_passes"):
+        for name in ("reassociate", "strict", "slack_aware", "check_ranks", "lower", "dump_passes",
+                     "run_checks"):
             if not isinstance(value := getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, not {value!r}")
         cap = self.bucket_cap_mb

@@ -16,15 +16,18 @@ on any process group, so nothing here can pair with a peer's data collective.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import logging
 import os
 import re
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+import torch
 import torch.distributed as dist
 
 from .agreement import (TIMEOUT_ENV, Agreement, Step, canonical, decide, program_step,
@@ -76,6 +79,18 @@ class Exchange:
             if self.store.compare_set(key, raw, new).decode() == new:
                 return current + [entry]
 
+    def gone(self, rank: int) -> str | None:
+        """Why ``rank``'s process has ended, or None when it may still run: it left
+        ``gone/<rank>`` at exit (:func:`mark_exit`), or it said where it runs
+        (:func:`announce`) and no such process is alive on this host any more."""
+        key = self._key("gone", rank)
+        if self.store.check([key]):
+            return self.store.get(key).decode()
+        where = self._get(self._key("pid", rank))
+        if where and where["host"] == socket.gethostname() and not _alive(where["pid"]):
+            return f"its process {where['pid']} is gone"
+        return None
+
     def note(self, line: dict) -> None:
         self.store.append(self._key("log", self.rank), json.dumps(line) + "\n")
 
@@ -95,8 +110,13 @@ class RankEnv:
     exchange: Exchange
     members: Callable[[str], list[int]]
     position: Callable[[str], int | None]
+    timeout: Callable[[str], float | None] = lambda g: None
+    """The group's own collective timeout (s): no rank waits for its peers longer."""
     local: dict = field(default_factory=dict)
     """Program key -> :class:`_Local`."""
+    alone: set = field(default_factory=set)
+    """Functions (:func:`family`) whose graphs a rank recompiles alone: the ranks decided
+    "guards differ" on one of them. A later graph of one is not waited for."""
 
 
 _ENVS: dict[int, RankEnv] = {}
@@ -106,13 +126,95 @@ def process_env() -> RankEnv:
     """The env of this process's default process group (its store, its groups)."""
     store = dist.distributed_c10d._get_default_store()
     if id(store) not in _ENVS:
-        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        announce()
         _ENVS.clear()  # a new default group: the old keys belong to another job
-        ex = Exchange(store, dist.get_rank(), f"{NAMESPACE}/{restart}")
+        ex = Exchange(store, dist.get_rank(), _namespace())
         _ENVS[id(store)] = RankEnv(
             ex, members=lambda g: dist.get_process_group_ranks(_resolve(g)),
-            position=lambda g: _position(_resolve(g)))
+            position=lambda g: _position(_resolve(g)),
+            timeout=lambda g: group_timeout_s(_resolve(g)))
     return _ENVS[id(store)]
+
+
+def group_timeout_s(group) -> float | None:
+    """A process group's own timeout for a collective, in seconds (None if unknown)."""
+    for device in getattr(group, "_device_types", None) or [torch.device("cpu")]:
+        try:
+            return group._get_backend(device).options._timeout.total_seconds()
+        except Exception:  # a backend without options (fake, custom): nothing to bound by
+            continue
+    return None
+
+
+def _namespace() -> str:
+    return f"{NAMESPACE}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
+def _alive(pid: int) -> bool:
+    """Is process ``pid`` running on this host (a zombie, dead but not yet reaped, is not)?"""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: it exists
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:  # no /proc: as far as can be told, alive
+        return True
+
+
+_ANNOUNCED: set[int] = set()
+
+
+def announce() -> None:
+    """Say in the default group's store where this rank runs (``pid/<rank>``: host and
+    process id), once per store, so a peer on this host that waits for it can tell at
+    once when its process has died (a SIGKILL leaves no ``gone`` note)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        if dist.get_backend() == "fake" or dist.get_world_size() < 2:
+            return
+        store = dist.distributed_c10d._get_default_store()
+        if id(store) in _ANNOUNCED:
+            return
+        _ANNOUNCED.add(id(store))
+        store.set(f"{_namespace()}/pid/{dist.get_rank()}",
+                  json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
+    except Exception:  # a group being torn down: peers fall back to the timeouts
+        return
+
+
+def mark_exit() -> None:
+    """At interpreter exit, leave ``gone/<rank>`` in the default group's store: a peer
+    waiting for this rank's proposal stops at once (this rank will compile nothing more).
+    Bounded: a store that does not answer within 2 s is left alone."""
+    import threading
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        if dist.get_backend() == "fake" or dist.get_world_size() < 2:
+            return
+        store, rank = dist.distributed_c10d._get_default_store(), dist.get_rank()
+    except Exception:  # a group half torn down: nothing to say
+        return
+
+    def say():
+        try:
+            store.set(f"{_namespace()}/gone/{rank}", "its process ended")
+        except Exception:  # the store's host is gone too
+            pass
+
+    t = threading.Thread(target=say, daemon=True)
+    t.start()
+    t.join(2.0)
+
+
+atexit.register(mark_exit)
+announce()  # imported (torch.compile(backend="fxcoalesce") looks the backend up) after init
 
 
 @dataclass(slots=True)
@@ -132,6 +234,9 @@ class Outcome:
     """With ``check_ranks``: the difference to raise at the first call."""
     digests: list[str] = field(default_factory=list)
     """Of each step's sequence on this rank, in the rank-invariant form."""
+    tags: bool = True
+    """The graph carries run-time tags (``passes.tag``); False where a peer never proposed
+    it and may run it uncompiled (its collectives untagged): see ``_Run._fallback``."""
 
 
 @dataclass(slots=True)
@@ -173,18 +278,74 @@ def frame_identity() -> str:
     return f"{code.co_name}@{os.path.basename(code.co_filename)}:{code.co_firstlineno}"
 
 
+_RESUME = re.compile(r"^torch_dynamo_resume_in_(.+)_at_\d+$")
+
+
+def family(frame: str) -> str:
+    """The user function a :func:`frame_identity` belongs to ("f@file.py"): a graph break's
+    resume function (``torch_dynamo_resume_in_f_at_12``) belongs to ``f``."""
+    name, _, rest = frame.partition("@")
+    m = _RESUME.match(name)
+    return f"{m.group(1) if m else name}@{rest.rsplit(':', 1)[0]}"
+
+
+def cut_at() -> str | None:
+    """Where the graph Dynamo is compiling was cut: "file:line: code (why)" of the graph
+    break that ended it; None when it ends at a return, or outside a compile."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        reason = InstructionTranslator.current_tx().output.compile_subgraph_reason
+    except Exception:  # not inside Dynamo, or another torch's layout: nothing known
+        return None
+    if reason is None or not getattr(reason, "graph_break", False) or not reason.user_stack:
+        return None
+    frame = reason.user_stack[-1]
+    why = str(reason.reason).strip().splitlines()[0] if reason.reason else "a graph break"
+    code = (frame.line or "").strip()
+    return f"{os.path.basename(frame.filename)}:{frame.lineno}: {code} ({why})"
+
+
+VALUE_GUARDS = ("CONSTANT_MATCH", "EQUALS_MATCH")
+"""Guards on a value a later call can change (an int argument, a global flag)."""
+_COUNTED = re.compile(r"___\d+")
+
+
+def guard_keys() -> list[str]:
+    """The values the graph Dynamo is compiling is specialized on ("L['step']"): its guards
+    on values a later call can change. A value one rank guards on and its peers do not (it
+    is read under ``if rank == 0:``) recompiles that rank alone when it changes: ranks
+    compare these (``agreement.decide``). [] outside a compile."""
+    from torch._guards import TracingContext
+
+    ctx = TracingContext.try_get()
+    guards = getattr(getattr(ctx, "guards_context", None), "dynamo_guards", None) or ()
+    out = set()
+    for g in guards:
+        try:
+            kind = g.create_fn_name()
+        except Exception:  # a guard without a builder name: not a value guard
+            continue
+        if kind in VALUE_GUARDS and g.name:
+            out.add(_COUNTED.sub("___", g.name))
+    return sorted(out)
+
+
 def _config_key(cfg: Config) -> str:
     return repr(replace(cfg, dump_dir=None, dump_passes=False, strict=False))
 
 
 def agree_graph(name: str, cfg: Config, steps: list[Step], program: Sequence,
                 sequences: list[Sequence], workspaces: list[int], *, check_ranks: bool,
-                frame: str = "", env: RankEnv | None = None) -> Outcome:
+                frame: str = "", cut: str | None = None, guards: list[str] | None = None,
+                env: RankEnv | None = None) -> Outcome:
     """Agree with the ranks sharing this graph's groups on which of ``steps`` to compile.
     ``sequences[i]`` / ``workspaces[i]``: what step i issues on this rank and the symmetric
     workspace it sizes (bytes, by size hints); ``frame``: :func:`frame_identity` (part of
     the program key: a recompile of one function keeps its key, another function's graph
-    with the same collectives does not share it)."""
+    with the same collectives does not share it); ``cut``: :func:`cut_at` (told to peers, who
+    name it when this rank cut the program differently); ``guards``: :func:`guard_keys`
+    (ranks that guard on different values keep the program's order)."""
     env = env or process_env()
     ex = env.exchange
     canon, prog, texts = canonical(program, *sequences)
@@ -205,7 +366,8 @@ def agree_graph(name: str, cfg: Config, steps: list[Step], program: Sequence,
             agreement = Agreement(compared=True, step=steps[mine.entry["step"]].label,
                                   how="decided before", ranks=list(mine.entry["ranks"]))
             return Outcome(step, agreement, key=d, digests=digests,
-                           ws=mine.entry.get("ws", 0), nosymm=mine.entry.get("nosymm"))
+                           ws=mine.entry.get("ws", 0), nosymm=mine.entry.get("nosymm"),
+                           tags=mine.entry.get("tags", True))
     committed = mine is not None and mine.rewritten
     if mine is None:
         mine = env.local[d] = _Local()
@@ -213,11 +375,12 @@ def agree_graph(name: str, cfg: Config, steps: list[Step], program: Sequence,
         mine.round += 1
     key = d if mine.round == 1 else f"{d}.{mine.round}"
     run = _Run(name, cfg, env, key, steps, program, canon, check_ranks)
+    run.cut, run.family = cut, family(frame) if frame else None
     run.proposal = ex.propose(key, {
         "groups": [[g, members[g]] for g in groups],
-        "pos": {g: env.position(g) for g in groups},
+        "pos": {g: env.position(g) for g in groups}, "guards": guards or [],
         "steps": [{"seq": t, "ws": w} for t, w in zip(texts, workspaces)]})
-    ex.note({"d": key, "pos": run.proposal["pos"],
+    ex.note({"d": key, "pos": run.proposal["pos"], "cut": cut,
              "first": {g: _first(program, g) for g in groups}})
     if evident and not check_ranks and not committed:
         # every step issues the program's sequence here: so does any decision (it agrees
@@ -230,19 +393,19 @@ def agree_graph(name: str, cfg: Config, steps: list[Step], program: Sequence,
     agreement = run.agreement(entry, how, waited)
     out = Outcome(entry["step"], agreement, key=d, fresh=how in FRESH,
                   nosymm=entry.get("nosymm"), ws=entry.get("ws", 0), error=entry.get("error"),
-                  digests=digests)
+                  digests=digests, tags=entry.get("tags", True))
     if committed and how not in FRESH and out.error is None:
-        out.error = _CHANGED.format(step=agreement.step)  # the peers issue the old rewrite
+        _changed(out, cfg, name, agreement.step)  # the peers issue the old rewrite
     mine.entry, mine.active = {**entry, "active_step": entry["step"]}, entry["digest"]
     mine.rewritten = entry["digest"] != _digest(prog)
     if out.error is None and digests[out.step] != mine.active:
         step = _issuing(digests, mine.active, None)
         if step is None:
-            out.error = _CHANGED.format(step=agreement.step)
+            _changed(out, cfg, name, agreement.step)
         else:
             out.step, out.fresh = step, False
     mine.entry["active_step"] = out.step
-    run.noted(texts[out.step])
+    run.noted(texts[out.step], out.tags)
     return out
 
 
@@ -270,6 +433,20 @@ _CHANGED = ("this rank compiled again a graph that the ranks agreed to run rewri
             "torch.compile")
 
 
+def _changed(out: Outcome, cfg: Config, name: str, step: str) -> None:
+    """This rank can no longer issue what its peers agreed to run (:data:`_CHANGED`). With
+    run-time checks it runs the program's own order, whose tags make the first pairing
+    with a peer that still runs the rewrite raise on every rank; without, it raises at
+    the graph's first call."""
+    if not cfg.run_checks:
+        out.error = _CHANGED.format(step=step)
+        return
+    log.warning("fxcoalesce[%s]: %s; it runs the program's own order, and if its peers still "
+                "run the rewrite, the first such collective raises CollectiveMismatchError on "
+                "every rank", name, _CHANGED.format(step=step).split(": the ranks")[0])
+    out.step, out.fresh = len(out.digests) - 1, False
+
+
 def _first(program: Sequence, group: str) -> str | None:
     """The first collective ``program`` issues on ``group``, comparable across graphs (its
     description without its place in the graph); None where it has symbolic sizes, whose
@@ -290,14 +467,15 @@ class _Run:
         self.name, self.cfg, self.d, self.steps = name, cfg, d, steps
         self.env, self.ex = env, env.exchange
         self.program, self.canon, self.check_ranks = program, canon, check_ranks
-        self.rank, self.proposal = self.ex.rank, {}
+        self.rank, self.proposal, self.cut, self.family = self.ex.rank, {}, None, None
 
     def _entry_of(self, entries: list[dict]) -> dict | None:
         return next((e for e in entries if self.rank in e["ranks"]), None)
 
     def wait(self) -> tuple[dict, str, float]:
         """(the decision entry naming this rank, how it was reached, seconds waited)."""
-        t0, pause, limit = time.monotonic(), POLL_S[0], timeout_s(self.cfg)
+        t0, pause = time.monotonic(), POLL_S[0]
+        limit, bound = self._limit()
         proposals: dict[int, dict] = {self.rank: self.proposal}
         while True:
             entry = self._entry_of(self.ex.entries(self.d))
@@ -307,21 +485,42 @@ class _Run:
                     if (p := self.ex.proposal(self.d, r)) is not None:
                         proposals[r] = p
                 closure = _closure(proposals)
-                if closure <= set(proposals):
+                missing = sorted(closure - set(proposals))
+                if not missing:
                     entry = self._add(decide({r: proposals[r] for r in closure}, self.steps,
                                              self.check_ranks))
+                elif self.family in self.env.alone:
+                    why = (f"{self.family.split('@')[0]} recompiles on some ranks alone (its "
+                           "graphs are specialized on a value its peers' are not)")
+                    entry = self._add(self._fallback(closure, "guards differ", why))
+                elif gone := [r for r in missing if self.ex.gone(r) is not None]:
+                    why = (f"rank(s) {gone} ended before compiling this graph (their "
+                           "processes exited)")
+                    entry = self._add(self._fallback(closure, "peer gone", why))
                 elif (seen := self._evidence(closure)) is not None:
                     entry = self._add(self._fallback(closure, *seen))
                 elif time.monotonic() - t0 > limit:
-                    missing = sorted(closure - set(proposals))
-                    why = (f"waited {limit:g} s for ranks {missing} to compile this graph; "
-                           "they did not (they cut the program into other graphs, or are slow)")
+                    why = (f"waited {limit:g} s ({bound}) for rank(s) {missing} to compile "
+                           "this graph; they did not (they never reach it, cut the program "
+                           "into other graphs, or are slow)")
                     entry = self._add(self._fallback(closure, "timed out", why))
             if entry is not None:
+                if entry["how"] == "guards differ" and self.family:
+                    self.env.alone.add(self.family)
                 self._warn(entry)
                 return entry, entry["how"], time.monotonic() - t0
             time.sleep(pause)
             pause = min(POLL_S[1], pause * 2)
+
+    def _limit(self) -> tuple[float, str]:
+        """(the longest wait, what sets it): ``agree_timeout_s``, or the shortest timeout of
+        the graph's groups where that is shorter (plain would fail no later than that)."""
+        limit, bound = timeout_s(self.cfg), "agree_timeout_s"
+        for g in self.proposal["pos"]:
+            t = self.env.timeout(g)
+            if t is not None and t < limit:
+                limit, bound = t, f"the timeout of group {g}"
+        return limit, bound
 
     def _warn(self, entry: dict) -> None:
         how = entry["how"]
@@ -329,12 +528,14 @@ class _Run:
             log.warning("fxcoalesce[%s]: the program itself issues different collectives on "
                         "different ranks (%s); it runs as written, as plain torch.compile "
                         "would run it", self.name, entry["why"])
-        elif how in ("timed out", "cut differently"):
+        elif how in ("timed out", "cut differently", "peer gone", "guards differ"):
             hazard = (_HAZARD if how == "timed out" and any(v.rewritten for v in
                                                              self.env.local.values()) else "")
-            log.warning("fxcoalesce[%s]: %s: every rank runs this graph in the program's own "
+            cut = " (the ranks cut the program into graphs differently)" if (
+                how == "cut differently") else ""
+            log.warning("fxcoalesce[%s]: %s%s: every rank runs this graph in the program's own "
                         "collective order (Config.agree_timeout_s or %s sets the wait)%s",
-                        self.name, entry["why"], TIMEOUT_ENV, hazard)
+                        self.name, entry["why"], cut, TIMEOUT_ENV, hazard)
         elif how == "fell back":
             log.warning("fxcoalesce[%s]: ranks would issue different collectives (%s); all "
                         "ranks compile it %s", self.name, "; ".join(entry["differences"]),
@@ -345,17 +546,23 @@ class _Run:
         entry = {**entry, "digest": _digest(seqs[entry["step"]]["seq"])}
         return self._entry_of(self.ex.add(self.d, entry)) or entry
 
-    def _fallback(self, closure: set[int], how: str, why: str) -> dict:
+    def _fallback(self, closure: set[int], how: str, why: str, tags: bool = True) -> dict:
+        """The program's own order for ``closure``. After a timeout, untagged: a peer that
+        never proposed this graph may run it uncompiled, and plain collectives pair only
+        with untagged ones (a peer that proposes it late reads this entry, or this rank's
+        note, and runs it untagged too)."""
         last = program_step(self.steps)
         entry = {"ranks": sorted(closure), "step": last, "nosymm": last, "ws": 0, "how": how,
-                 "why": why, "differences": [why] if how == "program differs" else []}
+                 "why": why, "differences": [why] if how == "program differs" else [],
+                 "tags": tags and how != "timed out"}
         if how == "program differs" and self.check_ranks:
             entry["error"] = why
         return entry
 
-    def _evidence(self, closure: set[int]) -> tuple[str, str] | None:
-        """(how, why) when a peer's own graphs show it will not compile this one here: one
-        of them starts where this one does, or covers where it starts."""
+    def _evidence(self, closure: set[int]) -> tuple[str, str, bool] | None:
+        """(how, why, tags) when a peer's own graphs show it will not compile this one here:
+        one of them starts where this one does, or covers where it starts; ``tags``: False
+        where that graph of the peer runs untagged (so must this one)."""
         pos = self.proposal["pos"]
         firsts = {g: _first(self.program, g) for g in pos}
         for q in sorted(closure - {self.rank}):
@@ -371,31 +578,40 @@ class _Run:
                         if a is not None and b is not None and a != b:
                             return "program differs", (
                                 f"at collective {at} of group {g}, rank {self.rank} issues {a}, "
-                                f"rank {q} issues {b}")
+                                f"rank {q} issues {b}"), line.get("tags", True)
                         return "cut differently", (
                             f"rank {q} compiles another graph from collective {at} of group "
-                            f"{g} (the ranks cut the program into graphs differently)")
+                            f"{g}{_where(line) or self._own_cut()}"), line.get("tags", True)
                     issued = line.get("m", {}).get(g)
                     if theirs < at and issued is not None and theirs + issued > at:
                         return "cut differently", (
                             f"rank {q} runs collectives {theirs}-{theirs + issued - 1} of group "
-                            f"{g} in another graph (the ranks cut the program into graphs "
-                            "differently)")
+                            f"{g} in another graph{_where(line) or self._own_cut()}"), line.get(
+                            "tags", True)
         return None
+
+    def _own_cut(self) -> str:
+        return f": this rank cut its graph at {self.cut}" if self.cut else ""
 
     def agreement(self, entry: dict, how: str, waited: float) -> Agreement:
         return Agreement(compared=True, step=self.steps[entry["step"]].label, how=how,
                          differences=list(entry.get("differences", [])), waited_s=waited,
-                         ranks=list(entry["ranks"]))
+                         ranks=list(entry["ranks"]), why=entry.get("why", ""))
 
-    def noted(self, texts: list[str]) -> None:
-        """Note how many collectives this graph issues on each group (peers' evidence)."""
+    def noted(self, texts: list[str], tags: bool = True) -> None:
+        """Note how many collectives this graph issues on each group, and whether they
+        carry tags (peers' evidence)."""
         counts: dict[str, int] = {}
         for t in texts:
             role = t.split(":", 1)[0]
             counts[role] = counts.get(role, 0) + 1
         m = {g: counts.get(self.canon.role(g), 0) for g in self.proposal["pos"]}
-        self.ex.note({"d": self.d, "pos": self.proposal["pos"], "m": m})
+        self.ex.note({"d": self.d, "pos": self.proposal["pos"], "m": m, "tags": tags})
+
+
+def _where(line: dict) -> str:
+    """Where a peer's note says it cut its graph, as a clause ("" when it did not say)."""
+    return f": it cut its graph at {line['cut']}" if line.get("cut") else ""
 
 
 def _closure(proposals: dict[int, dict]) -> set[int]:
@@ -413,5 +629,7 @@ def _folded(lines: list[dict]) -> list[dict]:
 
 
 _HAZARD = (". If a peer already runs this stretch of the program rewritten (this rank "
-           "recompiled it, cut into other graphs), their collectives cannot pair: such a "
-           "program needs Config(passes=('schedule',)) or plain torch.compile")
+           "recompiled it, cut into other graphs), their collectives cannot pair: with "
+           "Config.run_checks (the default) the first such collective raises "
+           "CollectiveMismatchError on every rank; without, such a program needs "
+           "Config(passes=('schedule',)) or plain torch.compile")

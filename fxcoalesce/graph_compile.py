@@ -24,11 +24,13 @@ from . import compile_cache
 from .agreement import ladder, must_compare
 from .collectives import find_comm_blocks, program_sequence, sequence_after
 from .config import Config
-from .exchange import Outcome, agree_graph, frame_identity, without_symm
+from .exchange import (Outcome, agree_graph, cut_at, frame_identity, guard_keys,
+                       without_symm)
 from .lowering import lowered_bytes, symm_problem
 from .pipeline import emit_graph, run_pipeline
 from .rank_check import CollectiveMismatchError, Sequence, has_peers
-from .report import Report, record
+from .report import Report, explain_agreement, record
+from .runtime import Guarded
 
 log = logging.getLogger("fxcoalesce")
 
@@ -45,6 +47,8 @@ class Agreed:
     workspaces: list[int] = field(default_factory=list)
     step: int = 0
     error: str | None = None
+    tagged: bool = False
+    """The graph carries run-time tags (``passes.tag``)."""
 
     def entry(self) -> dict:
         return {"program": self.program, "sequences": self.sequences,
@@ -84,7 +88,8 @@ def prepared(outcome: Outcome, cfg: Config, sequences: list[Sequence], name: str
 
 
 def rewrite_agreed(gm, cfg: Config, name: str, check_ranks: bool, *,
-                   frame: str | None = None, agreement: dict | None = None) -> Agreed:
+                   frame: str | None = None, cut: str | None = None,
+                   guards: list[str] | None = None, agreement: dict | None = None) -> Agreed:
     """The pipeline on ``gm`` at the step the ranks agree on (no agreement where no pass
     could change the sequence or no real peer exists). ``agreement``: what the report says
     of it, where an earlier attempt of this compile agreed (and this one read the decision)."""
@@ -118,28 +123,38 @@ def rewrite_agreed(gm, cfg: Config, name: str, check_ranks: bool, *,
     t1 = time.perf_counter()
     outcome = agree_graph(name, cfg, steps, program, sequences, workspaces,
                           check_ranks=check_ranks,
-                          frame=frame_identity() if frame is None else frame)
+                          frame=frame_identity() if frame is None else frame,
+                          cut=cut_at() if frame is None else cut,
+                          guards=guard_keys() if frame is None else guards)
     outcome, notes = prepared(outcome, cfg, sequences, name)
     new, report = built[outcome.step][:2]
     if new is None:  # the program's own order, built only when it is the step kept
-        new, report = run_pipeline(gm, replace(steps[outcome.step].config, dump_dir=None),
+        new, report = run_pipeline(gm, replace(steps[-1].config, dump_dir=None),
                                    name=name, record=False, emit=False)
+    if outcome.error is None and cfg.run_checks and outcome.tags:
+        new = tagged(gm, new, outcome, name)
     # what agreeing added to this compile: the pipeline at the other steps, the exchange
-    first_ms = built[0][1].total_ms or 0.0
+    first_ms = (built[0][1].total_ms or 0.0) if built[0][1] is not None else 0.0
     report.agreement = {**outcome.agreement.as_dict(),
                         "ladder_ms": round((t1 - t0) * 1e3 - first_ms, 3),
                         "exchange_ms": round((time.perf_counter() - t1) * 1e3, 3)}
     if agreement is not None:
         report.agreement = agreement
     report.warnings += notes
-    return Agreed(new, report, program, sequences, workspaces, outcome.step, outcome.error)
+    explain_agreement(report)
+    return Agreed(new, report, program, sequences, workspaces, outcome.step, outcome.error,
+                  tagged=bool(report.agreement.get("checks")))
 
 
 def ladder_runs(gm, cfg: Config, name: str, program: Sequence) -> tuple[list, list[tuple]]:
     """(the ladder of ``cfg``, per step (graph, report, sequence, workspace bytes)): the
     pipeline at every step whose sequence can differ from the steps already run. A copy
     without symmetric memory of a step that uses none is that step; the program's own order
-    issues the program's sequence by construction (its graph is built only if kept: None)."""
+    issues the program's sequence by construction (its graph is built only if kept: None),
+    and so does a step whose first all_reduce could not carry its run-time tag against the
+    program's (``passes.tag.compatible``)."""
+    from fxcoalesce.passes.tag import compatible
+
     steps = ladder(cfg)
     built: list[tuple] = []
     for i, step in enumerate(steps):
@@ -150,9 +165,34 @@ def ladder_runs(gm, cfg: Config, name: str, program: Sequence) -> tuple[list, li
         else:
             new, report = run_pipeline(gm, replace(step.config, dump_dir=None), name=name,
                                        record=False, emit=False)
-            built.append((new, report, sequence_after(gm, new, report),
-                          lowered_bytes([report])))
+            sequence = sequence_after(gm, new, report)
+            why = compatible(gm, new) if cfg.run_checks and sequence != program else None
+            if why is not None:
+                log.info("fxcoalesce[%s]: step %r issues the program's own sequence: %s",
+                         name, step.label, why)
+                new, report, sequence = None, None, program
+            built.append((new, report, sequence, lowered_bytes([report]) if report else 0))
     return steps, built
+
+
+def tagged(gm, new, outcome: Outcome, name: str, world: Callable | None = None):
+    """``new`` with its run-time tags (``passes.tag``): every all_reduce of a graph in the
+    program's own order, the first of a rewritten one. ``world(group name)``: a group's
+    size (by default the process group's)."""
+    from fxcoalesce.passes.tag import tag_pass
+
+    from .collectives import group_of
+    from .pipeline import copy_graph_module
+    from .rank_check import _resolve
+
+    size = world or (lambda g: _resolve(g).size())
+    if new is gm:
+        new = copy_graph_module(gm)
+    rewritten = outcome.digests[outcome.step] != outcome.digests[-1]
+    lines = tag_pass(new, rewritten=rewritten, world=lambda n: size(group_of(n)),
+                     key=outcome.key, digest=outcome.digests[outcome.step], where=name)
+    outcome.agreement.checks = lines
+    return new
 
 
 def _symm(sequence: Sequence) -> bool:
@@ -194,7 +234,7 @@ class GraphCompile:
         self.aot_cache = on_graph is None and cfg.dump_dir is None
         self.closed = False
         self.check_ranks = False
-        self.frame = frame_identity()
+        self.frame, self.cut, self.guards = frame_identity(), cut_at(), guard_keys()
         self.agreement: dict | None = None
         """How the ranks agreed, from an attempt redone under the agreed step's key."""
 
@@ -221,6 +261,8 @@ class GraphCompile:
                 "ranks fall back together until they agree."))
         for a in agreed:
             record(a.report)
+        if any(a.sequences for a in agreed):  # agreed on: checked at every call (runtime)
+            return Guarded(compiled, agreed, self, self.gm)
         return compiled
 
     def build(self, step: int, *, aot_cache: bool = True) -> tuple[Callable, list[Agreed]]:
@@ -234,7 +276,8 @@ class GraphCompile:
                                            name=self.name)
                 return new
             a = rewrite_agreed(graph_module, self.cfg, self.name, self.check_ranks,
-                               frame=self.frame, agreement=self.agreement)
+                               frame=self.frame, cut=self.cut, guards=self.guards,
+                               agreement=self.agreement)
             if a.error is None and a.step != step and self.cfg.codegen != "eager":
                 raise _Redo(a.step, a.report.agreement)  # the caches are keyed on ``step``
             if a.error is None:
@@ -271,11 +314,15 @@ class GraphCompile:
             a.workspaces = list(saved["workspaces"])
             steps = ladder(self.cfg)
             outcome = agree_graph(self.name, self.cfg, steps, program, a.sequences,
-                                  a.workspaces, check_ranks=self.check_ranks, frame=self.frame)
+                                  a.workspaces, check_ranks=self.check_ranks, frame=self.frame,
+                                  cut=self.cut, guards=self.guards)
             outcome, notes = prepared(outcome, self.cfg, a.sequences, self.name)
             if outcome.error is None and outcome.step != step:
                 raise _Redo(outcome.step, outcome.agreement.as_dict())
             a.step, a.error = outcome.step, outcome.error
+            a.tagged = bool(report.agreement.get("checks"))
+            # the cached code carries the tags it was compiled with (a function of the step)
+            outcome.agreement.checks = list(report.agreement.get("checks", []))
             report.agreement = self.agreement or outcome.agreement.as_dict()
             report.warnings += notes
         trace_artifacts_of_hit(report)
@@ -288,10 +335,19 @@ class GraphCompile:
         pre = self.user_pre_pass
         keyed = compile_cache.KeyedPass(pre, key)
 
+        from fxcoalesce.passes.tag import CHECKED
+
         def inner_compile(graph_module, inputs, **kwargs):
             # the FX graph cache keys on the rewritten graph and on ``keyed``
-            with inductor_config.patch(post_grad_custom_pre_pass=keyed):
-                return compile_fx_inner(rewrite(graph_module), inputs, **kwargs)
+            new = rewrite(graph_module)
+            patch = {"post_grad_custom_pre_pass": keyed}
+            if any(n.meta.get(CHECKED) is not None for n in new.graph.nodes):
+                # measured (torch 2.13, kimi-k2-tiny verify, 2 gloo ranks): with a rewritten
+                # graph's tags, Inductor's peak-memory reordering computed wrong logits (off
+                # by 2.31); without it, right. benchmarks/NOTES.md has the case.
+                patch["reorder_for_peak_memory"] = False
+            with inductor_config.patch(**patch):
+                return compile_fx_inner(new, inputs, **kwargs)
 
         outer = keyed if aot_cache else compile_cache.KeyedPass(pre, None)
         return compile_fx(self.gm, self.example_inputs, inner_compile=inner_compile,

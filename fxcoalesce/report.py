@@ -165,12 +165,50 @@ def verdict(before: Analysis, after: Analysis) -> str:
         parts.append("reached the lower bound")
     else:
         parts.append(f"{after.analysed_count - bound} launch(es) above the bound "
-                     "(bucket cap or interlocked keys; see warnings)")
+                     "(the bucket cap, interlocked keys, or the first all_reduce kept apart "
+                     "for the run-time check; see warnings)")
     if b.scan.skipped:
         reasons = sorted({why for _, why in b.scan.skipped})
         parts.append(f"{len(b.scan.skipped)} all_reduce(s) left alone and not in the "
                      f"bound ({'; '.join(reasons)})")
     return "; ".join(parts)
+
+
+REMEDIES = {
+    "cut differently": "keep graph breaks alike on every rank: a print or a log call on one "
+                       "rank cuts that rank's graph (torch._dynamo.config."
+                       "reorderable_logging_functions.add(print) keeps it whole), or log "
+                       "outside the compiled function",
+    "timed out": "if the peers are only slow to compile this graph, raise "
+                 "Config.agree_timeout_s (FXCOALESCE_AGREE_TIMEOUT); if they never compile "
+                 "it, they cut the program elsewhere: keep graph breaks alike on every rank",
+    "peer gone": "a peer's process ended: see its log",
+    "guards differ": "read that value on every rank, or move the rank-dependent part "
+                     "(logging on rank 0) out of the compiled function; "
+                     "torch._dynamo.config.reorderable_logging_functions.add(print) keeps a "
+                     "print from cutting the graph",
+    "program differs": "the program itself issues different collectives on different ranks",
+    "fell back": "the ranks' rewrites differ (compute that differs by rank); "
+                 "report.agreement lists the differences",
+}
+"""What to do about each way the ranks can miss a rewrite (``Agreement.how``)."""
+
+
+def explain_agreement(report: Report) -> None:
+    """Where the agreement, not the graph, kept ``report``'s graph above its bound: say so
+    in the verdict (the cause, where a peer cut its graph when known, what to do) and in a
+    warning."""
+    how = report.agreement.get("how", "")
+    a = report.all_reduce
+    above = a["after"] - a["left_alone"] - a["lower_bound"]
+    if how not in REMEDIES or above <= 0:
+        return
+    why = report.agreement.get("why") or "; ".join(report.agreement.get("differences", []))
+    text = (f"{above} launch(es) above the bound because every rank runs this graph "
+            f"{report.agreement.get('step', 'in the program order')} ({how}: {why}); "
+            f"{REMEDIES[how]}")
+    report.verdict = text
+    report.warnings.append(f"agreement: {text}")
 
 
 def build_report(graph: str, before: Analysis, after: Analysis, *, cost: CostModel,

@@ -35,16 +35,18 @@ from fxcoalesce.meta import (ORIGIN, REPLACES, fake_mode_of, hinted_nbytes, orig
 from .decide import Decider
 from .emit import Emitter, place
 from .result import Bucket, PassResult
+from .tag import pinned
 
 aten = torch.ops.aten
 
 
-def plan_buckets(analysis: Analysis, cap_bytes: int, *, by_global_level: bool = False
-                 ) -> list[list[BlockInfo]]:
-    """Group blocks by (key, level) in node order, splitting a group that exceeds the cap."""
+def plan_buckets(analysis: Analysis, cap_bytes: int, *, by_global_level: bool = False,
+                 pinned=frozenset()) -> list[list[BlockInfo]]:
+    """Group blocks by (key, level) in node order, splitting a group that exceeds the cap;
+    ``pinned`` (``tag.pinned``) stays alone."""
     groups: dict[tuple, list[BlockInfo]] = {}
     for info in analysis.infos:
-        if info.block.impl != "nccl":  # already lowered: runs as it is
+        if info.block.impl != "nccl" or info.block in pinned:  # lowered, or keeps its size
             continue
         lvl = info.global_level if by_global_level else info.level
         groups.setdefault((info.block.key, lvl), []).append(info)
@@ -125,9 +127,17 @@ def _fuse(gm: GraphModule, group: list[BlockInfo], floor: Node | None, mode,
 def bucket_pass(gm: GraphModule, *, cfg: Config) -> PassResult:
     analysis = analyze(gm)
     result = PassResult()
-    plan = plan_buckets(analysis, cfg.bucket_cap_bytes)
+    keep = pinned(analysis.scan, cfg)
+    plan = plan_buckets(analysis, cfg.bucket_cap_bytes, pinned=keep)
+    apart = [b for g in plan_buckets(analysis, cfg.bucket_cap_bytes) if len(g) > 1
+             for b in (i.block for i in g) if b in keep]
+    for b in apart:
+        result.warnings.append(
+            f"{b.collective.name} stays out of its bucket: a graph's first all_reduce (and "
+            "any before it) carries the run-time check that peers run the same graph "
+            "(Config.run_checks)")
     if len(analysis.chains) > 1 and not quotient_is_acyclic(analysis, plan):
-        plan = plan_buckets(analysis, cfg.bucket_cap_bytes, by_global_level=True)
+        plan = plan_buckets(analysis, cfg.bucket_cap_bytes, by_global_level=True, pinned=keep)
         result.warnings.append(
             "per-key levels of different keys interlock; bucketed by global level instead "
             "(may miss the per-key bound)")

@@ -57,6 +57,7 @@ from fxcoalesce.meta import (ORIGIN, REPLACES, fake_mode_of, is_scalar, origin, 
 
 from .decide import MIN_SAVING_SHARE, MIN_SAVING_US, Decider
 from .result import Bucket, PassResult
+from .tag import pinned
 
 aten, prims = torch.ops.aten, torch.ops.prims
 F32 = torch.float32
@@ -260,7 +261,8 @@ def _is_tensor_like(add: Node, wait: Node) -> bool:
 def fuse_norm_pass(gm: GraphModule, *, cfg: Config) -> PassResult:
     result = PassResult()
     analysis = analyze(gm)
-    sites = find_sites(analysis)
+    keep = pinned(analysis.scan, cfg)
+    sites = [s for s in find_sites(analysis) if s.block not in keep]
     if not sites:
         return result
     decider = Decider.of(analysis, cfg)

@@ -38,8 +38,11 @@ from fxcoalesce.meta import (ORIGIN, REPLACES, fake_mode_of, origin, propagate_v
 
 from .decide import Decider
 from .result import Bucket, PassResult
+from .tag import pinned
 
 aten = torch.ops.aten
+PINNED = ("the graph's first all_reduce stays a plain all_reduce: it carries the run-time "
+          "check that peers run the same graph (passes.tag)")
 NCCL_COPY_IN = ("copy-in: NCCL's all_reduce on fxcoalesce's registered window (Inductor "
                 "allocates no NCCL windows; under CUDA graphs none can be in the graph's pool)")
 
@@ -50,9 +53,14 @@ def lower_pass(gm: GraphModule, *, cfg: Config) -> PassResult:
     decider = Decider.of(analysis, cfg)
     graph = gm.graph
     mode = fake_mode_of(analysis.order)
+    keep = pinned(analysis.scan, cfg)
     for info in analysis.infos:
         b = info.block
         if b.impl != "nccl":
+            continue
+        if b in keep:
+            result.decisions.append({"members": [b.collective.name], "chose": "nccl",
+                                     "ruled_out": {"all": PINNED}, "local": False})
             continue
         if b.inplace or b.copy_back is not None:
             why = "an in-place all_reduce_ (or one copied back into its buffer) stays"

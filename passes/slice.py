@@ -41,6 +41,7 @@ from .emit import Emitter
 from .layout import (keep_output_strides, layout_chain, output_strides, refresh_vals, replay,
                      restorable)
 from .result import Bucket, PassResult
+from .tag import pinned
 
 aten = torch.ops.aten
 SLICES = {aten.slice.Tensor, aten.select.int}
@@ -72,10 +73,11 @@ def slice_pass(gm: GraphModule, *, cfg: Config) -> PassResult:
     (out,) = graph.find_nodes(op="output")
     fixed = {leaf for leaf, st in zip(tree_leaves(out.args), strides, strict=True)
              if st is not None and not restorable(tensor_val(leaf).shape, st)}
+    keep = pinned(analysis.scan, cfg)
     for block in analysis.scan.blocks:
         chain = layout_chain(block.wait, analysis.order)
         users = list(chain.end.users)
-        if block.impl != "nccl" or block.inplace or len(users) != 1:
+        if block.impl != "nccl" or block.inplace or len(users) != 1 or block in keep:
             continue
         (use,) = users
         if not _int_slice(use) or use.args[0] is not chain.end or _reaches(use, fixed):

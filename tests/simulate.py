@@ -1,27 +1,26 @@
-"""Run one ATen FX graph per rank in one process, all_reduces matched across ranks in lockstep.
+"""Run one ATen FX graph per rank in one process, all_reduces matched across ranks.
 
-Each rank's graph runs node by node on real tensors as a generator. At each all_reduce it
-stops and hands the driver a :class:`Signature` and its input; the driver checks that every
-rank stopped at the same signature (ranks pair collectives by issue order, so a difference
-is what gloo/NCCL would turn into garbage or a hang), reduces the ranks' inputs elementwise
-in rank order, and resumes every rank with the result. ``wait_tensor`` returns its input.
+Each rank's graph runs node by node on real tensors as a generator. An all_reduce is
+*issued* (the rank goes on) and its ``wait_tensor`` blocks until it is reduced: the driver
+pairs collectives, reduces the ranks' inputs elementwise in rank order, and resumes the
+ranks that wait. A rank's collectives complete in its issue order (as on one NCCL stream),
+so a rank that issues on group A then B pairs B only after A: cross-group wait cycles are
+deadlocks, whatever the groups.
 
-Groups (``groups``: name -> member ranks; a name not given spans every rank). Collectives are
-modelled as *blocking*: a rank stopped at a collective on group g waits until every member of
-g is stopped at a collective on g; then those members *pair*: the k-th collective a rank
-issues on g pairs with the k-th collective every other member issues on g (what c10d does:
-per-group issue order). Paired collectives must have one :class:`Signature` (op, group,
-dtype, shape), else :class:`CollectiveMismatch` (gloo/NCCL: garbage or a hang). If no group
-can fire while some rank is stopped, the ranks deadlock (a cross-group wait cycle, or a rank
-that finished while its peers wait): also :class:`CollectiveMismatch`. A run that passes is
-exactly one where some global order of collectives exists whose restriction to each rank's
-groups is what that rank issues (blocking firing is confluent: the order in which groups
-fire changes neither pairing nor values). With one group, or groups that all span every
-rank, this is the old global lockstep: every rank issues one sequence.
+Groups (``groups``: name -> member ranks; a name not given spans every rank): the k-th
+collective a rank issues on g pairs with the k-th collective every other member issues on g
+(what c10d does: per-group issue order). Paired collectives must have one
+:class:`Signature` (op, group, dtype, shape), else :class:`CollectiveMismatch` (gloo/NCCL:
+garbage or a hang). If no collective can pair while some rank waits, the ranks deadlock (a
+cross-group wait cycle, or a rank that finished while its peers wait): also
+:class:`CollectiveMismatch`. With one group, or groups that all span every rank, every rank
+issues one sequence.
 
 A rank may run a :class:`Chain` of graphs instead of one (a program cut into graphs by graph
 breaks): the parts run in turn, values crossing a cut passed on as outputs of one part and
-inputs of the next.
+inputs of the next; and a :class:`Job` of such steps, one after the other (the life of a
+job: rank-local recompiles and re-cuts between steps). A rank whose run-time tag check
+fails (``passes.tag``) stops there, loudly: ``Simulation.raised``.
 
     b = GraphBuilder()
     x = b.input("x", (2, 2))
@@ -69,6 +68,12 @@ class Simulation:
     """The all_reduces that fired, in firing order (each once, for all members of its group)."""
     by_rank: list[list[Signature]] = field(default_factory=list)
     """The all_reduces each rank issued, in its order."""
+    raised: dict[int, int] = field(default_factory=dict)
+    """Ranks whose tag check failed (``passes.tag``): the firing index each had paired last."""
+    stuck: list[int] = field(default_factory=list)
+    """Ranks left waiting (for a rank in ``raised``) when the run ended."""
+    members: list[list[int]] = field(default_factory=list)
+    """The ranks each firing paired, in firing order."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,12 +92,24 @@ class CollectiveMismatch(AssertionError):
     """Ranks reached different collectives at the same step (or some ranks ran out)."""
 
 
-RankRun = Generator[tuple[Signature, torch.Tensor], torch.Tensor, tuple]
+RankRun = Generator[tuple, object, tuple]
+
+
+@dataclass(slots=True)
+class _Pending:
+    """An issued all_reduce: its input, and once its group's members all issued it, the
+    reduced value (``wait_tensor`` on it blocks until then)."""
+
+    sig: Signature
+    x: torch.Tensor
+    inplace: bool
+    result: torch.Tensor | None = None
 
 
 def run_rank(gm: GraphModule, inputs: Sequence[torch.Tensor]) -> RankRun:
-    """Interpret ``gm`` on ``inputs``; yield (signature, input) at each all_reduce and take
-    the reduced tensor back; return the outputs."""
+    """Interpret ``gm`` on ``inputs``. At an all_reduce, yield ("issue", pending) and go on
+    (it is in flight); at its ``wait_tensor``, yield ("wait", pending) until it is reduced.
+    Return the outputs. A tag check that fails (``passes.tag``) raises from here."""
     env = {}
     args = iter(inputs)
     for n in gm.graph.nodes:
@@ -105,10 +122,18 @@ def run_rank(gm: GraphModule, inputs: Sequence[torch.Tensor]) -> RankRun:
             raise NotImplementedError(f"{n.op} node {n.name}")
         elif op_of(n) in (ALL_REDUCE, ALL_REDUCE_):
             x, op, group = a[0], a[1], a[2]
-            reduced = yield Signature(op, group, x.dtype, tuple(x.shape)), x
-            env[n] = x.copy_(reduced) if op_of(n) is ALL_REDUCE_ else reduced
+            pending = _Pending(Signature(op, group, x.dtype, tuple(x.shape)), x,
+                               op_of(n) is ALL_REDUCE_)
+            yield "issue", pending
+            env[n] = pending
         elif op_of(n) is WAIT:
-            env[n] = a[0]
+            pending = a[0]
+            if isinstance(pending, _Pending):
+                while pending.result is None:
+                    yield "wait", pending
+                env[n] = pending.x if pending.inplace else pending.result
+            else:
+                env[n] = pending
         elif is_collective(n):
             raise NotImplementedError(f"collective {n.target} ({n.name})")
         else:
@@ -129,64 +154,150 @@ def run_chain(chain: Chain, inputs: Sequence[torch.Tensor]) -> RankRun:
     return tuple(out)
 
 
+@dataclass(frozen=True, slots=True)
+class Job:
+    """One rank's job: ``steps[i]`` (a graph or a :class:`Chain`) runs on the rank's inputs
+    after ``steps[i - 1]`` has returned; the job's outputs are each step's."""
+
+    steps: tuple
+
+
+def run_job(job: Job, inputs: Sequence[torch.Tensor]) -> RankRun:
+    outs = []
+    for g in job.steps:
+        outs.append((yield from _runner(g, inputs)))
+    return tuple(outs)
+
+
+def _runner(g, inputs) -> RankRun:
+    fresh = [t.clone() for t in inputs]
+    if isinstance(g, Job):
+        return run_job(g, inputs)
+    return run_chain(g, fresh) if isinstance(g, Chain) else run_rank(g, fresh)
+
+
 def reduce(op: str, tensors: list[torch.Tensor]) -> torch.Tensor:
     """Elementwise reduction in rank order (so the result never depends on tensor layout)."""
     out = functools.reduce(REDUCE[op], tensors)
     return out / len(tensors) if op == "avg" else out
 
 
-def describe(stops: dict[int, tuple[Signature, torch.Tensor]], ranks: Sequence[int]) -> str:
+def describe(heads: dict[int, Signature | None], ranks: Sequence[int]) -> str:
     """Which ranks issue what: "ranks [0, 2] issue all_reduce(sum, group 0) float32[4];
     ranks [1] issue ..."."""
     by_sig: dict[str, list[int]] = {}
     for r in ranks:
-        by_sig.setdefault(str(stops[r][0]) if r in stops else "nothing (finished)", []).append(r)
+        sig = heads.get(r)
+        by_sig.setdefault(str(sig) if sig is not None else "nothing (finished)", []).append(r)
     return "; ".join(f"ranks {ranks} issue {what}" for what, ranks in by_sig.items())
 
 
-def simulate(gms: Sequence[GraphModule | Chain], inputs: Sequence[Sequence[torch.Tensor]],
+def is_check_error(e: BaseException) -> bool:
+    """A tag check's error (``passes.tag``): a rank that stops on it stops loudly."""
+    from fxcoalesce.passes.tag import MESSAGE_START
+
+    return isinstance(e, RuntimeError) and MESSAGE_START in str(e)
+
+
+def simulate(gms: Sequence, inputs: Sequence[Sequence[torch.Tensor]],
              groups: dict[str, Sequence[int]] | None = None) -> Simulation:
-    """Run ``gms[r]`` on ``inputs[r]`` for every rank r, all_reduces paired per group (module
-    docstring); raise :class:`CollectiveMismatch` at the first pairing of different
-    collectives, or where no group can go on (deadlock)."""
+    """Run ``gms[r]`` (a graph, a :class:`Chain` or a :class:`Job`) on ``inputs[r]`` for
+    every rank r, all_reduces paired per group (module docstring); raise
+    :class:`CollectiveMismatch` at the first pairing of different collectives, or where no
+    rank can go on (deadlock). A rank whose tag check fails stops there: it is in
+    ``Simulation.raised`` (the collective it had paired last), and ranks left waiting for it
+    are not a deadlock."""
     world = len(gms)
     every = list(range(world))
     groups = {g: sorted(m) for g, m in (groups or {}).items()}
-    ranks = [run_chain(gm, [t.clone() for t in inp]) if isinstance(gm, Chain)
-             else run_rank(gm, [t.clone() for t in inp]) for gm, inp in zip(gms, inputs, strict=True)]
+    ranks = [_runner(g, inp) for g, inp in zip(gms, inputs, strict=True)]
     outputs: list = [None] * world
     issued: list[Signature] = []
     by_rank: list[list[Signature]] = [[] for _ in every]
-    stops: dict[int, tuple[Signature, torch.Tensor]] = {}
+    queues: dict[tuple[int, str], list[_Pending]] = {}  # (rank, group) -> issued, unpaired
+    blocked: dict[int, _Pending] = {}
+    raised: dict[int, int] = {}
+    last: dict[int, int] = {}  # rank -> the firing index it was last paired in
+    live = set(every)
 
-    def advance(r: int, reply) -> None:
+    order: list[list[_Pending]] = [[] for _ in every]  # each rank's unpaired, issue order
+    paired: list[list[int]] = []
+
+    def advance(r: int) -> None:
+        """Run rank r until it waits for an unreduced collective, ends, or raises."""
         try:
-            stops[r] = ranks[r].send(reply)
+            while True:
+                what, pending = next(ranks[r])
+                if what == "issue":
+                    queues.setdefault((r, pending.sig.group), []).append(pending)
+                    order[r].append(pending)
+                elif pending.result is None:
+                    blocked[r] = pending
+                    return
         except StopIteration as done:
             outputs[r] = done.value
+            live.discard(r)
+        except Exception as e:  # noqa: BLE001 - a failed tag check stops this rank only
+            if not is_check_error(e):
+                raise
+            raised[r] = last.get(r, -1)
+            live.discard(r)
+
+    def head(m: int, g: str) -> _Pending | None:
+        """Member m's next collective on g, if it is m's oldest unpaired one (a rank's
+        collectives complete in its issue order, as on one stream)."""
+        q = queues.get((m, g))
+        return q[0] if q and order[m] and order[m][0] is q[0] else None
 
     for r in every:
-        advance(r, None)
-    while stops:
-        step = len(issued)
-        ready = None
-        for r in sorted(stops):
-            g = stops[r][0].group
+        advance(r)
+    while live:
+        fired = False
+        for g in sorted({g for (_, g) in queues}):
             members = groups.get(g, every)
-            if all(m in stops and stops[m][0].group == g for m in members):
-                ready = members
+            if not all(head(m, g) is not None for m in members):
+                continue
+            heads = {m: queues[(m, g)][0] for m in members}
+            if len({h.sig for h in heads.values()}) > 1:
+                raise CollectiveMismatch(f"collective #{len(issued)}: " + describe(
+                    {m: h.sig for m, h in heads.items()}, members))
+            sig = heads[members[0]].sig
+            result = reduce(sig.op, [heads[m].x for m in members])
+            index = len(issued)
+            issued.append(sig)
+            paired.append(list(members))
+            for m in members:
+                queues[(m, g)].pop(0)
+                order[m].pop(0)
+                pending = heads[m]
+                pending.result = result.clone()
+                if pending.inplace:
+                    pending.x.copy_(result)
+                by_rank[m].append(sig)
+                last[m] = index
+            fired = True
+            for m in members:
+                if blocked.get(m) is not None and blocked[m].result is not None:
+                    del blocked[m]
+                    advance(m)
+        if not fired:
+            waiting = sorted(live)
+            if raised:  # the ranks left wait for a rank that stopped on its check
                 break
-        if ready is None:  # nothing can fire: a wait cycle across groups, or a rank ran out
-            involved = sorted({m for r in stops for m in groups.get(stops[r][0].group, every)})
-            raise CollectiveMismatch(f"collective #{step}: deadlock: "
-                                     + describe(stops, involved))
-        if len({stops[m][0] for m in ready}) > 1:
-            raise CollectiveMismatch(f"collective #{step}: " + describe(stops, ready))
-        sig = stops[ready[0]][0]
-        result = reduce(sig.op, [stops[m][1] for m in ready])
-        issued.append(sig)
-        for m in ready:
-            by_rank[m].append(sig)
-            del stops[m]
-            advance(m, result.clone())
-    return Simulation(outputs, issued, by_rank)
+            heads = {r: (order[r][0].sig if order[r] else None) for r in every}
+            raise CollectiveMismatch(f"collective #{len(issued)}: deadlock: "
+                                     + describe(heads, waiting))
+    return Simulation(outputs, issued, by_rank, raised, sorted(live), paired)
+
+
+def assert_loud(sim: Simulation) -> None:
+    """Where some rank's tag check failed, every member of the pairing it failed on stopped
+    there too, or waits after it with that check still to run (it fails: the tags differ
+    on every member); no rank stopped on a check of another pairing."""
+    for r, k in sim.raised.items():
+        assert k >= 0, f"rank {r} raised before any collective paired"
+        for m in sim.members[k]:
+            if m in sim.raised:
+                assert sim.raised[m] == k, (r, m, sim.raised)
+            else:
+                assert m in sim.stuck, f"rank {m} paired collective #{k} wrongly, and went on"

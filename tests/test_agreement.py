@@ -3,7 +3,9 @@ groups, with sizes named differently, agree without a collective at compile time
 values equal plain execution, and SPMD programs keep their rewrites.
 
 Every case runs on real gloo ranks with a short group timeout (a collective that never pairs
-fails in a minute) and a short ``agree_timeout_s`` where a wait is expected.
+fails in a minute) and a short ``agree_timeout_s`` where a wait is expected. Each program
+starts with an all_reduce of its own (``lead``): a graph's first all_reduce carries the
+run-time check and joins no bucket (issue 25), so the pairs after it are what merges.
 """
 
 from __future__ import annotations
@@ -26,6 +28,11 @@ hang fails in a minute, not in gloo's default 30."""
 
 def ar(x, group=None):
     return funcol.all_reduce(x, "sum", group or dist.group.WORLD)
+
+
+def lead(x, group=None):
+    """The graph's first all_reduce (a max: never summed or bucketed with the sums)."""
+    return funcol.all_reduce(x, "max", group or dist.group.WORLD)
 
 
 def waited(out):
@@ -59,11 +66,12 @@ def summary(got, want) -> dict:
 # --- §1: a print on one rank cuts its graph in two ---
 
 def logs_on_rank0(x, w):
+    c = lead(x)
     a = ar(x @ w)
     if dist.get_rank() == 0:
         print("rank 0: a step", flush=True)
     b = ar(x * 2)
-    return a + 1, b - 1
+    return c, a + 1, b - 1
 
 
 def _print_run(rank, world, route, check):
@@ -84,9 +92,9 @@ def test_a_print_on_one_rank_runs_like_plain(route, check):
                 group_timeout_s=GROUP_TIMEOUT_S)
     r0, r1 = res
     assert r0["equal"] and r1["equal"]
-    # rank 0 has two graphs of one all_reduce, rank 1 one graph of both: rank 1 sees rank 0
-    # compile another graph at the same place and both ranks keep the program's order ...
-    assert r0["after"] == [1, 1] and r1["after"] == [2]
+    # rank 0 has two graphs, rank 1 one graph of all three: rank 1 sees rank 0 compile
+    # another graph at the same place and both ranks keep the program's order ...
+    assert r0["after"] == [2, 1] and r1["after"] == [3]
     assert r1["agreement"][0]["how"] == "cut differently", r1
     # ... at once: neither waited for the 60 s agree_timeout_s
     assert all(a["waited_s"] < 10 for r in res for a in r["agreement"]), res
@@ -98,7 +106,7 @@ SCALE = {"value": 1.0}
 
 
 def scaled(x, w):
-    return ar(x * SCALE["value"]), ar(w * 2)
+    return lead(x), ar(x * SCALE["value"]), ar(w * 2)
 
 
 def _recompile_run(rank, world):
@@ -119,8 +127,8 @@ def test_a_recompile_on_one_rank_keeps_the_agreed_rewrite():
     res = spawn(_recompile_run, 2, (), backend="gloo", timeout=300,
                 group_timeout_s=GROUP_TIMEOUT_S)
     assert all(o["equal"] for r in res for o in r)
-    # rank 0 compiled once, rank 1 twice; every graph merges the two all_reduces
-    assert res[0][-1]["after"] == [1] and res[1][-1]["after"] == [1, 1]
+    # rank 0 compiled once, rank 1 twice; every graph merges the two sums
+    assert res[0][-1]["after"] == [2] and res[1][-1]["after"] == [2, 2]
     hows = [a["how"] for a in res[1][-1]["agreement"]]
     assert hows == ["agreed", "decided before"], hows
 
@@ -128,7 +136,7 @@ def test_a_recompile_on_one_rank_keeps_the_agreed_rewrite():
 # --- §1: one rank compiles late; a peer that never compiles ---
 
 def pair(x, w):
-    return ar(x * 3), ar(w - 1)
+    return lead(x), ar(x * 3), ar(w - 1)
 
 
 def _late_run(rank, world, late_s, rank1_eager):
@@ -148,7 +156,7 @@ def test_a_late_rank_still_gets_the_rewrite():
     res = spawn(_late_run, 2, (6.0, False), backend="gloo", timeout=300,
                 group_timeout_s=GROUP_TIMEOUT_S)
     assert all(r["equal"] for r in res)
-    assert [r["after"] for r in res] == [[1], [1]]
+    assert [r["after"] for r in res] == [[2], [2]]
     assert res[0]["agreement"][0]["how"] == "agreed"
     assert res[0]["agreement"][0]["waited_s"] > 4  # it waited for rank 1, then merged
 
@@ -159,7 +167,7 @@ def test_a_peer_that_never_compiles_ends_the_wait_in_program_order():
     assert all(r["equal"] for r in res)
     [agreement] = res[0]["agreement"]
     assert agreement["how"] == "timed out" and 3 <= agreement["waited_s"] < 10, agreement
-    assert res[0]["after"] == [2]  # the program's own order pairs with the eager peer
+    assert res[0]["after"] == [3]  # the program's own order pairs with the eager peer
 
 
 # --- §2: one order across groups ---
@@ -183,11 +191,12 @@ def crossed(x, w):
     odd ranks the second A all_reduce reads B. Merging the two A's gives each rank another
     interleaving of A and B (before: every route deadlocked)."""
     a_grp, b_grp = GROUPS["A"], GROUPS["B"]
+    c = lead(x, a_grp)
     a1 = ar(x * 2, a_grp)
     odd = dist.get_rank() % 2
     b = ar(w * 3 + (0 if odd else a1.mean()), b_grp)
     a2 = ar(x * 5 + (b.mean() if odd else 0), a_grp)
-    return a1, b, a2
+    return c, a1, b, a2
 
 
 def _crossed_run(rank, world, check):
@@ -211,7 +220,7 @@ def test_ranks_agree_on_one_interleaving_across_groups(world):
     assert all(r["equal"] for r in res)
     # each group's own sequence would agree after merging; the interleaving does not: all
     # ranks keep the program's order together
-    assert all(r["after"] == [3] for r in res), res
+    assert all(r["after"] == [4] for r in res), res
     assert all(r["agreement"][0]["how"] in ("fell back", "no wait") for r in res), res
 
 
@@ -227,7 +236,7 @@ def test_check_ranks_raises_on_every_rank_for_a_crossed_interleaving():
 def named_by_first_input(z, x):
     """Dynamo names a size after the first input that has it: on rank 0 z is as long as x,
     so x's length is named after z there and not on rank 1."""
-    return ar(x * 2), ar(x * 3), z + 1
+    return lead(x), ar(x * 2), ar(x * 3), z + 1
 
 
 def _dynamic_run(rank, world, check):
@@ -249,7 +258,7 @@ def test_sizes_named_differently_by_rank_still_agree(check):
     res = spawn(_dynamic_run, 2, (check,), backend="gloo", timeout=300,
                 group_timeout_s=GROUP_TIMEOUT_S)
     assert all(r["equal"] for r in res)
-    assert [r["after"] for r in res] == [[1], [1]]  # merged on both: no false difference
+    assert [r["after"] for r in res] == [[2], [2]]  # merged on both: no false difference
     assert all(r["agreement"][0]["how"] == "agreed" for r in res), res
 
 
@@ -273,9 +282,10 @@ def test_a_hang_fails_in_seconds_not_minutes():
 def twoways(x, w, independent: bool):
     """Dynamo specializes on ``independent``: two graphs of one function whose collectives
     look alike (the same program key); only the second pair is independent (mergeable)."""
+    c = lead(x)
     a = ar(x * 2)
     b = ar((x if independent else a) * 3)
-    return a, b
+    return c, a, b
 
 
 def _twoways_run(rank, world, order):
@@ -296,7 +306,7 @@ def _twoways_run(rank, world, order):
 def test_two_graphs_of_one_function_with_alike_collectives_each_agree(order):
     res = spawn(_twoways_run, 2, (order,), backend="gloo", timeout=300,
                 group_timeout_s=GROUP_TIMEOUT_S)
-    want_after = [1 if independent else 2 for independent in order]
+    want_after = [2 if independent else 3 for independent in order]
     for r in res:
         assert all(r["equal"]) and r["after"] == want_after, r
 

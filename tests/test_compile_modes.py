@@ -16,9 +16,12 @@ from fxcoalesce.apps.launch import init_fake_group
 
 
 def two_independent(x, w):
+    """Two independent sums (bucketed) behind a max: a graph's first all_reduce carries the
+    run-time check and joins no bucket."""
+    c = funcol.all_reduce(x, "max", dist.group.WORLD)
     a = funcol.all_reduce(x @ w, "sum", dist.group.WORLD)
     b = funcol.all_reduce(x * 2, "sum", dist.group.WORLD)
-    return a + b.sum()
+    return a + b.sum() + c
 
 
 def compile_and_run(**compile_kwargs):
@@ -36,12 +39,12 @@ def compile_and_run(**compile_kwargs):
 def test_string_backend_accepts_modes(mode):
     report = compile_and_run(backend="fxcoalesce", mode=mode)
     # the pass still ran under the mode
-    assert (report.all_reduce["before"], report.all_reduce["after"]) == (2, 1)
+    assert (report.all_reduce["before"], report.all_reduce["after"]) == (3, 2)
 
 
 def test_string_backend_accepts_options():
     report = compile_and_run(backend="fxcoalesce", options={"epilogue_fusion": False})
-    assert report.all_reduce["after"] == 1
+    assert report.all_reduce["after"] == 2
 
 
 def test_backend_factory_takes_mode_from_torch_compile_and_itself():
@@ -108,4 +111,4 @@ print("after", report.all_reduce["after"])
     done = subprocess.run([sys.executable, "-c", script], env=env, cwd=root,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "after 1" in done.stdout
+    assert "after 2" in done.stdout

@@ -2,6 +2,10 @@
 profile (fixed profiles here), on hand-built graphs of fake CUDA tensors under the fake
 process group, which stands for the NCCL group the profile was measured on."""
 
+# run_checks=False: on a group of several ranks the graph's first all_reduce carries the
+# run-time check and is never lowered, bucketed or sliced (tests/test_tag.py tests that);
+# these tests are about the lower pass's own choices.
+
 from __future__ import annotations
 
 import json
@@ -57,7 +61,7 @@ def one_reduction(shape=(16, 4096), dtype=torch.bfloat16, op="sum"):
 
 
 def lowered(cost: CostModel, gm=None, **cfg):
-    return run_pipeline(gm or one_reduction(), Config(strict=True, cost=cost,
+    return run_pipeline(gm or one_reduction(), Config(strict=True, run_checks=False, cost=cost,
                                                       passes=("lower",), **cfg))
 
 
@@ -144,8 +148,8 @@ def test_a_group_the_graph_computes_stays_nccl(tmp_path):
 
 def test_switched_off(tmp_path):
     for cfg in ({"lower": False}, {"disable": ("lower",)}):
-        out, report = run_pipeline(one_reduction(), Config(strict=True, cost=profile(tmp_path),
-                                                           **cfg))
+        out, report = run_pipeline(one_reduction(), Config(
+            strict=True, run_checks=False, cost=profile(tmp_path), **cfg))
         assert "lower" not in [p["name"] for p in report.passes]
         assert not calls(out, ONE_SHOT) and len(all_reduces(out)) == 1
 
@@ -171,15 +175,15 @@ def test_merge_and_lowering_decided_together(tmp_path):
     only to 256 KiB: apart, two one-shots (2 x 3.3 µs) against the merged 512 KiB's only
     choice, NCCL (17.1 µs): apart, each a one-shot. (No two-shot curve in either profile.)"""
     cfg = dict(strict=True, passes=("bucket", "lower"))
-    out, report = run_pipeline(two_independent(), Config(cost=profile(tmp_path, two_shot=None),
-                                                         **cfg))
+    out, report = run_pipeline(two_independent(), Config(
+        run_checks=False, cost=profile(tmp_path, two_shot=None), **cfg))
     bucket, lower = [d for d in report.decisions if d["pass"] == "bucket"], \
         [d for d in report.decisions if d["pass"] == "lower"]
     assert [d["chose"] for d in bucket] == ["merge all"]
     assert [d["chose"] for d in lower] == ["one_shot"] and lower[0]["bytes"] == 512 << 10
     cheap = profile(tmp_path, one_shot=curve(2.0, 5e-6, 256 << 10), two_shot=None,
                     name="cheap.json")
-    out, report = run_pipeline(two_independent(), Config(cost=cheap, **cfg))
+    out, report = run_pipeline(two_independent(), Config(run_checks=False, cost=cheap, **cfg))
     assert [d["chose"] for d in report.decisions if d["pass"] == "bucket"] == ["separate"]
     assert [d["chose"] for d in report.decisions if d["pass"] == "lower"] == ["one_shot"] * 2
     assert len(calls(out, ONE_SHOT)) == 2
@@ -200,8 +204,8 @@ def test_rank_dependent_graphs_lower_alike(tmp_path):
         a = b.all_reduce(h)
         return b.build(b.all_reduce(b.mm(a, w)), b.all_reduce(b.add(x, x)))
 
-    seqs = [issue_sequence(run_pipeline(rank_graph(r), Config(strict=True, cost=cost))[0].graph)
-            for r in (0, 1)]
+    seqs = [issue_sequence(run_pipeline(rank_graph(r), Config(
+        strict=True, run_checks=False, cost=cost))[0].graph) for r in (0, 1)]
     assert seqs[0] == seqs[1]
     assert [d.split(" <- ")[0].split("(")[0] for _, d in seqs[0]] == ["one_shot_all_reduce"] * 2
 
@@ -209,7 +213,7 @@ def test_rank_dependent_graphs_lower_alike(tmp_path):
 def test_default_cost_model_never_lowers():
     """Without a calibrated profile nothing but NCCL has a prediction: choices come from
     measurement, never from a fixed rule."""
-    out, report = run_pipeline(one_reduction(), Config(strict=True))
+    out, report = run_pipeline(one_reduction(), Config(strict=True, run_checks=False))
     (d,) = [d for d in report.decisions if d["pass"] == "lower"]
     assert d["chose"] == "nccl" and "one_shot" in d["ruled_out"]
     assert fxcoalesce.analyze(out).scan.blocks[0].impl == "nccl"

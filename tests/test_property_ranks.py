@@ -66,7 +66,7 @@ import torch.distributed as dist
 from graphs import GraphBuilder
 from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
-from simulate import Chain, CollectiveMismatch, reduce, simulate
+from simulate import Chain, CollectiveMismatch, assert_loud, reduce, simulate
 from torch.fx import GraphModule, Node
 
 import fxcoalesce
@@ -74,6 +74,9 @@ from fxcoalesce.agreement import ladder
 from fxcoalesce.collectives import (find_comm_blocks, issue_sequence, program_sequence,
                                     sequence_after)
 from fxcoalesce.exchange import Exchange, Outcome, RankEnv, agree_graph
+from fxcoalesce.graph_compile import tagged
+from fxcoalesce.passes.tag import compatible
+from fxcoalesce.pipeline import copy_graph_module
 from fxcoalesce.lowering import lowered_bytes, symm_groups
 from fxcoalesce.passes import changes_sequence
 
@@ -488,7 +491,14 @@ def compile_graph(gm: GraphModule, cfg: fxcoalesce.Config) -> Compiled:
         else:
             new, report = fxcoalesce.run_pipeline(gm, cfg if step is None else step.config,
                                                   record=False, emit=False)
-            built = (new, report), sequence_after(gm, new, report), lowered_bytes([report])
+            seq = sequence_after(gm, new, report)
+            if step is not None and cfg.run_checks and seq != program and compatible(gm, new):
+                # as graph_compile.ladder_runs: a step whose first all_reduce cannot carry
+                # the program's tag issues the program's own sequence
+                new, report = fxcoalesce.run_pipeline(gm, ladder(cfg)[-1].config,
+                                                      record=False, emit=False)
+                seq = sequence_after(gm, new, report)
+            built = (new, report), seq, lowered_bytes([report])
         builds.append(built[0])
         sequences.append(built[1])
         workspaces.append(built[2])
@@ -621,10 +631,21 @@ def compile_ranks(p: Program, cfg: fxcoalesce.Config, extras: list[tuple[Extra, 
     return out
 
 
+def run_graph(p: Program, cfg: fxcoalesce.Config, comp: Compiled, step: int,
+              o: Outcome | None) -> GraphModule:
+    """A part's build at ``step``, with the run-time tags the backend gives it
+    (``graph_compile.tagged``) where its ranks agreed on it."""
+    gm = comp.builds[step][0]
+    if o is None or not cfg.run_checks or not o.tags:
+        return gm
+    return tagged(comp.gm, copy_graph_module(gm), replace(o, step=step), "sim",
+                  world=lambda g: len(p.topo.groups[g]))
+
+
 def running(p: Program, rank: int, extras: tuple[Extra, ...], comps: list[Compiled],
-            steps: list[tuple], cache: dict) -> GraphModule | Chain:
-    """The graph(s) rank ``rank`` runs: each part's build at its step."""
-    gms = [c.builds[step][0] for c, (step, _) in zip(comps, steps, strict=True)]
+            steps: list[tuple], cache: dict, cfg: fxcoalesce.Config) -> GraphModule | Chain:
+    """The graph(s) rank ``rank`` runs: each part's build at its step, tagged."""
+    gms = [run_graph(p, cfg, c, step, o) for c, (step, o) in zip(comps, steps, strict=True)]
     template = built_rank(p, rank, extras, True, cache) if len(gms) > 1 else None
     return gms[0] if template is None else replace(template, parts=tuple(gms))
 
@@ -679,8 +700,11 @@ def check_program(p: Program, cfg: fxcoalesce.Config) -> list[str]:
         if run.again is not None:
             first = [o for _, o in run.first]
             for (step, o), o1 in zip(run.again, first):  # the agreed sequence, or an error
-                if o is not None:
-                    assert o.digests[step] == o1.digests[o1.step]
+                if o is not None and o.digests[step] != o1.digests[o1.step]:
+                    # with run-time checks, a recompile that cannot issue it runs the
+                    # program's order: its tags meet the peers' rewrite and raise (below)
+                    assert cfg.run_checks and step == len(o.digests) - 1, (step, o.agreement)
+                    assert o1.digests[o1.step] not in o.digests
             if run.raised is not None:
                 # honest: no step of that recompile issues the sequence the peers run
                 o1 = first[len(run.again)]
@@ -699,10 +723,14 @@ def check_program(p: Program, cfg: fxcoalesce.Config) -> list[str]:
     for r, run in enumerate(runs):
         comps, steps = ((recompiled[r], run.again) if run.again is not None
                         else (compiled[r], run.first))
-        graphs.append(running(p, r, ran_extras[r], comps, steps, built["gm"]))
+        graphs.append(running(p, r, ran_extras[r], comps, steps, built["gm"], cfg))
         reports.append((comps, steps))
     # the decided graphs issue paired collectives: simulate raises at the first difference
+    # of signatures; a difference of tags stops every rank of the pairing loudly
     got = simulate(graphs, inputs, topo.groups)
+    if got.raised:
+        assert_loud(got)
+        return sorted(set(labels + ["a recompile met the rewrite: every rank raised"]))
     merged = any(len(g) < len(w) for g, w in zip(got.by_rank, want.by_rank, strict=True))
     caps: dict[tuple, bool] = {}
     for r in range(world):
@@ -727,7 +755,11 @@ def check_program(p: Program, cfg: fxcoalesce.Config) -> list[str]:
         # keys (a reported fallback to global levels) stand in the way
         interlocked = any("interlock" in w for w in report.warnings)
         apart = any(d.get("chose") not in ("merge all", "slice") for d in report.decisions)
-        if bucketing and not interlocked and not apart and a["after"] != bound:
+        # the graph's first all_reduce carries the run-time check: never in a bucket
+        pinned = sum("stays out of its bucket" in w for w in report.warnings)
+        if pinned:
+            labels.append("first all_reduce kept apart")
+        if bucketing and not interlocked and not apart and a["after"] > bound + pinned:
             # only the cap may stand in the way (checked only here: it runs the passes)
             if (id(comp), step) not in caps:  # ranks with equal graphs share one check
                 caps[id(comp), step] = cap_splits(comp.gm, step_cfg.bucket_cap_bytes) or (
@@ -861,19 +893,27 @@ KNOWN = {
                 (RankCompute(cuts=(1,)),) + (RankCompute(),) * (WORLD - 1)),
         fxcoalesce.Config(strict=True)),
     # every rank breaks at the same place: each part is agreed (and rewritten) on its own
+    # (behind a first all_reduce of its own, which carries the run-time check: no bucket)
     "same_break_everywhere": (
-        Program(2, 2, (Op("ar", (0,), SUM0), Op("ar", (1,), SUM0), Op("ar", (0,), SUM1),
-                       Op("ar", (1,), SUM1)),
-                (RankCompute(cuts=(2,)),) * WORLD),
+        Program(2, 2, (Op("ar", (1,), SUM1), Op("ar", (0,), SUM0), Op("ar", (1,), SUM0),
+                       Op("ar", (1,), SUM0), Op("ar", (0,), SUM1), Op("ar", (1,), SUM1)),
+                (RankCompute(cuts=(3,)),) * WORLD),
         fxcoalesce.Config(strict=True)),
     # issue 20 §1: rank 7 recompiles (a Python value changed there only) into a graph whose
-    # second sum reads the first: the ranks agreed on the merged pair, which rank 7 can no
-    # longer issue, so its recompile gets Outcome.error (it raises; nothing runs)
+    # third sum reads the second: the ranks agreed on the merged pair, which rank 7 can no
+    # longer issue. Without run-time checks its recompile gets Outcome.error (it raises;
+    # nothing runs); with them (issue 25) it runs the program's order and the first pairing
+    # with its peers' rewrite fails its tag check on every rank
     "recompile_cannot_issue_agreed": (
-        Program(2, 2, (Op("ar", (0,), SUM0), Op("ar", (1,), SUM0)),
+        Program(2, 2, (Op("ar", (0,), SUM1), Op("ar", (0,), SUM0), Op("ar", (1,), SUM0)),
                 (RankCompute(),) * (WORLD - 1) + (
-                    RankCompute(recompile=(Extra(1, True, "dep", 2),)),)),
+                    RankCompute(recompile=(Extra(2, True, "dep", 3),)),)),
         fxcoalesce.Config(strict=True)),
+    "recompile_cannot_issue_agreed_unchecked": (
+        Program(2, 2, (Op("ar", (0,), SUM1), Op("ar", (0,), SUM0), Op("ar", (1,), SUM0)),
+                (RankCompute(),) * (WORLD - 1) + (
+                    RankCompute(recompile=(Extra(2, True, "dep", 3),)),)),
+        fxcoalesce.Config(strict=True, run_checks=False)),
     # the recompile issues the agreed sequence at another step: it runs
     "recompile_keeps_agreed": (
         Program(2, 2, (Op("ar", (0,), SUM0), Op("ar", (1,), SUM0)),
@@ -890,7 +930,8 @@ KNOWN = {
         fxcoalesce.Config(strict=True)),
     # sizes renamed by rank: the SPMD program still merges (and agrees on step 0)
     "renamed_sizes_merge": (
-        Program(3, 2, (Op("ar", (0,), Reduce("sum", "0", torch.float64, 2, False)),
+        Program(3, 2, (Op("ar", (1,), SUM1),
+                       Op("ar", (0,), Reduce("sum", "0", torch.float64, 2, False)),
                        Op("ar", (1,), SUM0), Op("ar", (1,), SUM1)),
                 (RankCompute(),) * 4, topology="tp4", rename=5),
         fxcoalesce.Config(strict=True)),
@@ -915,7 +956,8 @@ def test_known_counterexamples(name):
     labels = check_program(*KNOWN[name])
     expect = {"break_on_rank_0": "cut differently: program order",
               "same_break_everywhere": "merged",
-              "recompile_cannot_issue_agreed": "a rank raised on a recompile (not run)",
+              "recompile_cannot_issue_agreed": "a recompile met the rewrite: every rank raised",
+              "recompile_cannot_issue_agreed_unchecked": "a rank raised on a recompile (not run)",
               "recompile_keeps_agreed": "recompiles ran",
               "renamed_sizes_merge": "merged"}
     if name in expect:
@@ -951,26 +993,30 @@ def test_simulate_reduces_and_reports_mismatch():
 # --- rank-dependent analysis: the passes alone differ, the agreement resolves it ---
 
 def in_place_read_again(rank: int) -> GraphModule:
-    """Two independent in-place sums; rank 0 also reads the first buffer after its
-    all_reduce_, so rank 0 leaves that one alone while the other ranks fuse both."""
+    """Two independent in-place sums (after a max, the first tagged all_reduce, which joins
+    no bucket); rank 0 also reads the first buffer after its all_reduce_, so rank 0 leaves
+    that one alone while the other ranks fuse both."""
     b = GraphBuilder()
     x, y = b.input("x", (2, 2), torch.float64), b.input("y", (2, 2), torch.float64)
     cx, cy = b.call(aten.clone.default, x), b.call(aten.clone.default, y)
-    outs = [b.all_reduce(cx, inplace=True), b.all_reduce(cy, inplace=True)]
+    outs = [b.all_reduce(x, op="max"), b.all_reduce(cx, inplace=True),
+            b.all_reduce(cy, inplace=True)]
     if rank == 0:
         outs.append(b.call(aten.add.Tensor, cx, 1.0))
     return b.build(*outs)
 
 
 def side_effect_between(rank: int) -> GraphModule:
-    """Two independent sums; rank 0 copies into an input between them: a barrier on rank 0
-    only, which puts the second sum a level higher there."""
+    """Two independent sums (after a max, the graph's first all_reduce, which carries the
+    run-time check and joins no bucket); rank 0 copies into an input between them: a
+    barrier on rank 0 only, which puts the second sum a level higher there."""
     b = GraphBuilder()
     x, y, buf = (b.input(name, (2, 2), torch.float64) for name in ("x", "y", "buf"))
+    head = b.all_reduce(x, op="max")
     first = b.all_reduce(b.call(aten.mul.Tensor, x, 2.0))
     if rank == 0:
         b.call(aten.copy_.default, buf, x)
-    return b.build(first, b.all_reduce(b.call(aten.mul.Tensor, y, 3.0)))
+    return b.build(head, first, b.all_reduce(b.call(aten.mul.Tensor, y, 3.0)))
 
 
 @pytest.mark.parametrize("build", [in_place_read_again, side_effect_between])

@@ -53,11 +53,13 @@ def sizes_differ_bucket_only(x, y, bias):
 
 def two_buckets_swap(x, y, bias):
     """Four same-size sums split by a small cap into two buckets of the same size; the bias
-    moved the first bucket after the second on rank 0 (silently wrong)."""
+    moved the first bucket after the second on rank 0 (silently wrong). (A max first: a
+    graph's first all_reduce carries the run-time check and joins no bucket.)"""
+    head = ar(y, "max")
     a, b, c, d = x * 2, x * 3, x * 4, x * 5
     if dist.get_rank() == 0:
         a = a + bias
-    return ar(a), ar(b), ar(c), ar(d)
+    return head, ar(a), ar(b), ar(c), ar(d)
 
 
 def extra_compute_between(x, y, bias):
@@ -87,7 +89,7 @@ def rank_branch(x, y, bias):
 CASES = {  # name: (function, Config overrides, all_reduce launches before -> after)
     "sum_bias_then_max": (sum_bias_then_max, {}, (2, 2)),
     "sizes_differ_bucket_only": (sizes_differ_bucket_only, {"passes": ("bucket",)}, (3, 2)),
-    "two_buckets_swap": (two_buckets_swap, {"bucket_cap_mb": 2 * 8 * 16 * 4 / 2**20}, (4, 2)),
+    "two_buckets_swap": (two_buckets_swap, {"bucket_cap_mb": 2 * 8 * 16 * 4 / 2**20}, (5, 3)),
     "extra_compute_between": (extra_compute_between, {}, (4, 3)),
     "rank_branch": (rank_branch, {}, (3, 2)),
 }
@@ -143,10 +145,12 @@ def test_rank_dependent_graphs_inductor(name):
 
 def dependency_differs(x, y, bias):
     """Rank 0 feeds the first sum into the second, the others do not: rank 1 fuses the two
-    sums and rank 0 cannot. The passes see one rank's graph only; check_ranks must catch it."""
+    sums and rank 0 cannot. The passes see one rank's graph only; check_ranks must catch it.
+    (A max first: a graph's first all_reduce carries the run-time check, joins no bucket.)"""
+    head = ar(y, "max")
     a = ar(x * 2)
     b_in = a * 3 if dist.get_rank() == 0 else x * 3
-    return a, ar(b_in)
+    return head, a, ar(b_in)
 
 
 def _checked_run(rank, world, name, use_env):
@@ -172,7 +176,7 @@ def test_check_ranks_names_the_first_difference():
     # every rank raises before running a single data collective, naming the first difference
     for r in res:
         assert "error" in r, r
-        assert "collective #0: rank 0 issues all_reduce(sum, 0) -> float32[8, 16]" in r["error"]
+        assert "collective #1: rank 0 issues all_reduce(sum, 0) -> float32[8, 16]" in r["error"]
         assert "rank 1 issues all_reduce(sum, 0) -> float32[256]" in r["error"]
 
 
@@ -190,13 +194,14 @@ def slack_differs(x, y, bias):
     the second one's input; rank 1 has none. The cost model keeps the pair separate on rank 0
     (merged, the first would wait for the compute) and merges it on rank 1. The backend's
     first call must notice, and every rank fall back to merging."""
+    head = ar(y, "max")  # the graph's first all_reduce carries the check: in no bucket
     ra = ar(x.repeat(64, 64))                         # 512 x 1024 floats: 2 MiB
     h = y
     if dist.get_rank() == 0:
         for _ in range(40):
             h = torch.tanh(h @ h.t() @ h) + bias
     rb = ar((x * 3 + h.sum()).repeat(64, 64))
-    return ra, rb
+    return head, ra, rb
 
 
 def _slack_run(rank, world):
@@ -224,11 +229,11 @@ def test_ranks_agree_on_cost_model_choices():
         [agreement] = r["agreement"]
         assert agreement["how"] == "fell back", agreement
         assert agreement["step"] == "without the choices that read compute"
-        assert "rank 0 issues all_reduce(sum, 0) -> float32[512, 1024] <- #0" in (
+        assert "rank 0 issues all_reduce(sum, 0) -> float32[512, 1024] <- #1" in (
             agreement["differences"][0])
     # ... so both compiled with every group merged, and computed the right values
     assert [r["choices"] for r in res] == [[["merge all"]], [["merge all"]]]
-    assert [r["after"] for r in res] == [[1], [1]]
+    assert [r["after"] for r in res] == [[2], [2]]
     for r in res:
         for got, want in zip(r["got"], r["want"], strict=True):
             torch.testing.assert_close(got, want)
@@ -242,8 +247,9 @@ def own_row_after_reduce(x, y, bias):
 
 
 def last_row_after_reduce(x, y, bias):
-    """The same slice on every rank (last-token style): reduced sliced, and agreed on."""
-    return (ar(x * 2)[-1],)
+    """The same slice on every rank (last-token style): reduced sliced, and agreed on (after
+    a first all_reduce, which carries the run-time check and is never sliced)."""
+    return ar(y, "max"), ar(x * 2)[-1]
 
 
 def _slice_run(rank, world, name):
@@ -268,8 +274,9 @@ def test_rank_dependent_slice_falls_back():
 def test_rank_invariant_slice_stays_sliced():
     res = spawn(_slice_run, 2, ("last",), backend="gloo", timeout=300)
     for r in res:
-        assert r["bytes_after"] == [64]
-        torch.testing.assert_close(r["got"][0], r["want"][0])
+        assert r["bytes_after"] == [256 + 64]  # the max of y, and the last row of the sum
+        for got, want in zip(r["got"], r["want"], strict=True):
+            torch.testing.assert_close(got, want)
 
 
 # --- issue 14 §1: what a rewrite reads can differ between ranks, while the program's own

@@ -183,7 +183,8 @@ def _compiled_report(model, cfg: Config) -> Report:
 ])
 def test_a_compiled_modules_merges_are_named_by_module_path(passes, kind, word):
     report = _compiled_report(Parallel(init_fake_group(2)),
-                              Config(passes=passes, codegen="eager", strict=True))
+                              Config(passes=passes, codegen="eager", strict=True,
+                                     run_checks=False))  # no pinned first all_reduce
     assert [(b["kind"], b["modules"]) for b in report.buckets] == [
         (kind, ["blocks.0.attn", "blocks.0.mlp"]), (kind, ["blocks.1.attn", "blocks.1.mlp"])]
     lines = report.summary().splitlines()

@@ -16,6 +16,7 @@ no GPU and no Triton (the Triton kernel is imported only where Triton is).
 
 from . import nccl_symm  # noqa: F401  (registers fxcoalesce::nccl_symm_all_reduce)
 from . import one_shot  # noqa: F401  (registers fxcoalesce::one_shot_all_reduce)
+from . import tag_check  # noqa: F401  (registers fxcoalesce::tag_after)
 from .fakes import ensure_symm_mem_fakes
 from .ops import HAS_TRITON, kernel_supports, reference
 from .symm import get_workspace, symm_mem_ready
