@@ -114,12 +114,26 @@ def test_compiled_verify_matches_eager(options):
         assert err < 1e-4
 
 
-@pytest.mark.xfail(strict=True, reason="upstream: Inductor's raise_comms and sink_waits "
-                   "scheduler passes mis-order KV-cache writes (torch 2.13); when this starts "
-                   "passing, they may be worth turning on again")
+COMM_REORDER_FIXED_IN = (2, 14)
+"""The first torch whose Inductor ``raise_comms`` / ``sink_waits`` keep the KV-cache writes in
+order (measured: wrong on 2.13.0; right on 2.14.1 and 2.15.0)."""
+
+
 @pytest.mark.parametrize("passes", [["raise_comms"], ["sink_waits"]])
-def test_inductor_comm_reorder_passes_are_still_wrong(passes):
+def test_inductor_comm_reorder_passes_by_torch_version(passes):
+    """Canary of an upstream bug: Inductor's raise_comms and sink_waits scheduler passes
+    mis-ordered KV-cache writes before torch 2.14 (logits off by ~2), and are right since.
+    Either side of the version changing its answer fails here: the backend keeps them off, and
+    the bench compares fxcoalesce with them only where they are right."""
     overlap = {"reorder_for_compute_comm_overlap": True,
                "reorder_for_compute_comm_overlap_passes": passes}
-    for err in spawn(_against_eager, 2, ({}, overlap), backend="gloo"):
-        assert err < 1e-4
+    errs = spawn(_against_eager, 2, ({}, overlap), backend="gloo")
+    if torch_version() >= COMM_REORDER_FIXED_IN:
+        assert max(errs) < 1e-4
+    else:
+        assert max(errs) > 1e-2  # still wrong: when this fails, upstream fixed it here too
+
+
+def torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)

@@ -149,13 +149,15 @@ class NoComm:
     def __call__(self, graph) -> None:
         import torch
 
+        from fxcoalesce.reduce_ops import reduce_op_name
+
         c10d = torch.ops._c10d_functional
         for ar in [n for n in graph.nodes if n.op == "call_function"
                    and n.target is c10d.all_reduce.default]:
             x, op = ar.args[0], ar.args[1]
             with graph.inserting_after(ar):
                 local = (graph.call_function(torch.ops.aten.mul.Tensor, (x, self.world))
-                         if op == "sum" else x)
+                         if reduce_op_name(op) == "sum" else x)
             if local is not x:
                 local.meta.update(ar.meta)
             for user in list(ar.users):
