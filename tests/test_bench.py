@@ -12,7 +12,9 @@ from fxcoalesce.apps import checks, cli
 from fxcoalesce.apps.bench import records as bench_records
 from fxcoalesce.apps.bench import report as bench_report
 from fxcoalesce.apps.bench import run as bench
-from fxcoalesce.apps.bench.variants import (VARIANTS, bucketing_options, hand_merged_twin,
+from fxcoalesce.apps.bench.variants import (COMM_REORDER_RIGHT_FROM, REORDER_PASSES, SCHED,
+                                            SIMPLE_OVERLAP, VARIANTS, bucketing_options,
+                                            hand_merged_twin, option_tiers, torch_version,
                                             has_hand_merged, parse_variants)
 
 GiB = 1 << 30
@@ -28,10 +30,12 @@ def refused(capsys, argv: list[str]) -> str:
 
 @pytest.mark.parametrize("argv, message", [
     (["--variants", "eager,fast"], "--variants: unknown variant(s) 'fast'; choose from: "
-     "eager, inductor, inductor-bucketing, inductor-one-shot, hand-merged, fxcoalesce, "
+     "eager, inductor, inductor-no-overlap, inductor-bucketing, inductor-overlap, "
+     "inductor-reorder, inductor-one-shot, hand-merged, fxcoalesce, fxcoalesce-reorder, "
      "no-comm"),
     (["--variants", ","], "--variants names none; choose from: eager, inductor, "
-     "inductor-bucketing, inductor-one-shot, hand-merged, fxcoalesce, no-comm"),
+     "inductor-no-overlap, inductor-bucketing, inductor-overlap, inductor-reorder, "
+     "inductor-one-shot, hand-merged, fxcoalesce, fxcoalesce-reorder, no-comm"),
     (["--tokens", "3,0"], "--tokens must be at least 1, not 0"),
     (["--cudagraphs"], "--cudagraphs needs --device cuda (CUDA graphs capture GPU work)"),
     (["--trace"], "--trace needs --out DIR (the traces are written there)"),
@@ -117,6 +121,30 @@ def test_inductor_bucketing_options_on_cuda():
         assert tiers[0][f"{sched}compute_estimator"] == "analytical"
     assert all(t["triton.cudagraphs"] is True for t in tiers)
     assert tiers[-1] == {"bucket_all_reduces_fx": "all", "triton.cudagraphs": True}
+
+
+def test_variants_are_what_this_torch_offers():
+    """Each PyTorch variant runs where this torch has its options, and says why not
+    elsewhere: simple_overlap off (2.14+), the overlap scheduler with collective bucketing
+    (2.15), the comm reordering passes (2.14+, where they keep KV-cache writes in order)."""
+    known = set(torch._inductor.list_options())
+    no_overlap = option_tiers("inductor-no-overlap", "cpu", cudagraphs=False)
+    assert (no_overlap == [{SIMPLE_OVERLAP: False}]) == (SIMPLE_OVERLAP in known)
+    overlap = option_tiers("inductor-overlap", "cpu", cudagraphs=False)
+    if f"{SCHED}collective_bucketing" in known:
+        (tier,) = overlap
+        assert tier[f"{SCHED}collective_bucketing"] is True
+        assert tier[f"{SCHED}compute_estimator"] == "analytical"  # the same on every rank
+    else:
+        assert "has no overlap scheduler" in overlap
+    for name in ("inductor-reorder", "fxcoalesce-reorder"):
+        tiers = option_tiers(name, "cuda", cudagraphs=True)
+        if torch_version() >= COMM_REORDER_RIGHT_FROM:
+            assert tiers == [{"triton.cudagraphs": True, "reorder_for_compute_comm_overlap": True,
+                              "reorder_for_compute_comm_overlap_passes": REORDER_PASSES}]
+        else:
+            assert "mis-order KV-cache writes" in tiers
+    assert option_tiers("fxcoalesce", "cpu", cudagraphs=False) == [None]
 
 
 @pytest.mark.parametrize("name", ["neox-tiny", "kimi-k2-tiny"])

@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 import fxcoalesce
+from fxcoalesce.apps.bench.variants import COMM_REORDER_RIGHT_FROM, torch_version
 from fxcoalesce.apps.launch import spawn
 
 
@@ -114,11 +115,6 @@ def test_compiled_verify_matches_eager(options):
         assert err < 1e-4
 
 
-COMM_REORDER_FIXED_IN = (2, 14)
-"""The first torch whose Inductor ``raise_comms`` / ``sink_waits`` keep the KV-cache writes in
-order (measured: wrong on 2.13.0; right on 2.14.1 and 2.15.0)."""
-
-
 @pytest.mark.parametrize("passes", [["raise_comms"], ["sink_waits"]])
 def test_inductor_comm_reorder_passes_by_torch_version(passes):
     """Canary of an upstream bug: Inductor's raise_comms and sink_waits scheduler passes
@@ -128,12 +124,9 @@ def test_inductor_comm_reorder_passes_by_torch_version(passes):
     overlap = {"reorder_for_compute_comm_overlap": True,
                "reorder_for_compute_comm_overlap_passes": passes}
     errs = spawn(_against_eager, 2, ({}, overlap), backend="gloo")
-    if torch_version() >= COMM_REORDER_FIXED_IN:
+    # measured: wrong on 2.13.0, right on 2.15.0 (and, by the issue's run, on 2.14.1)
+    if torch_version() >= COMM_REORDER_RIGHT_FROM:
         assert max(errs) < 1e-4
     else:
         assert max(errs) > 1e-2  # still wrong: when this fails, upstream fixed it here too
 
-
-def torch_version() -> tuple[int, int]:
-    major, minor = torch.__version__.split(".")[:2]
-    return int(major), int(minor)
