@@ -12,10 +12,11 @@ from fxcoalesce.apps import checks, cli
 from fxcoalesce.apps.bench import records as bench_records
 from fxcoalesce.apps.bench import report as bench_report
 from fxcoalesce.apps.bench import run as bench
-from fxcoalesce.apps.bench.variants import (COMM_REORDER_RIGHT_FROM, REORDER_PASSES, SCHED,
-                                            SIMPLE_OVERLAP, VARIANTS, bucketing_options,
-                                            hand_merged_twin, option_tiers, torch_version,
+from fxcoalesce.apps.bench.variants import (SCHED, SIMPLE_OVERLAP, VARIANTS, bucketing_options,
+                                            hand_merged_twin, option_tiers,
                                             has_hand_merged, parse_variants)
+
+from fxcoalesce.torch_releases import COMM_REORDER_PASSES, COMM_REORDER_RIGHT_FROM, torch_version
 
 GiB = 1 << 30
 
@@ -31,11 +32,11 @@ def refused(capsys, argv: list[str]) -> str:
 @pytest.mark.parametrize("argv, message", [
     (["--variants", "eager,fast"], "--variants: unknown variant(s) 'fast'; choose from: "
      "eager, inductor, inductor-no-overlap, inductor-bucketing, inductor-overlap, "
-     "inductor-reorder, inductor-one-shot, hand-merged, fxcoalesce, fxcoalesce-reorder, "
+     "inductor-reorder, inductor-one-shot, hand-merged, fxcoalesce, fxcoalesce-no-reorder, "
      "no-comm"),
     (["--variants", ","], "--variants names none; choose from: eager, inductor, "
      "inductor-no-overlap, inductor-bucketing, inductor-overlap, inductor-reorder, "
-     "inductor-one-shot, hand-merged, fxcoalesce, fxcoalesce-reorder, no-comm"),
+     "inductor-one-shot, hand-merged, fxcoalesce, fxcoalesce-no-reorder, no-comm"),
     (["--tokens", "3,0"], "--tokens must be at least 1, not 0"),
     (["--cudagraphs"], "--cudagraphs needs --device cuda (CUDA graphs capture GPU work)"),
     (["--trace"], "--trace needs --out DIR (the traces are written there)"),
@@ -137,13 +138,15 @@ def test_variants_are_what_this_torch_offers():
         assert tier[f"{SCHED}compute_estimator"] == "analytical"  # the same on every rank
     else:
         assert "has no overlap scheduler" in overlap
-    for name in ("inductor-reorder", "fxcoalesce-reorder"):
-        tiers = option_tiers(name, "cuda", cudagraphs=True)
-        if torch_version() >= COMM_REORDER_RIGHT_FROM:
-            assert tiers == [{"triton.cudagraphs": True, "reorder_for_compute_comm_overlap": True,
-                              "reorder_for_compute_comm_overlap_passes": REORDER_PASSES}]
-        else:
-            assert "mis-order KV-cache writes" in tiers
+    reorder, no_reorder = (option_tiers(name, "cuda", cudagraphs=True)
+                           for name in ("inductor-reorder", "fxcoalesce-no-reorder"))
+    if torch_version() >= COMM_REORDER_RIGHT_FROM:
+        assert reorder == [{"triton.cudagraphs": True, "reorder_for_compute_comm_overlap": True,
+                            "reorder_for_compute_comm_overlap_passes": list(COMM_REORDER_PASSES)}]
+        assert no_reorder == [{"triton.cudagraphs": True,
+                               "reorder_for_compute_comm_overlap": False}]
+    else:
+        assert "mis-order KV-cache writes" in reorder and "mis-order KV-cache" in no_reorder
     assert option_tiers("fxcoalesce", "cpu", cudagraphs=False) == [None]
 
 

@@ -1,7 +1,7 @@
 """Tier 3: the collective order of the code Inductor generates after fxcoalesce, on every rank,
 with Inductor's own comm scheduling on: ``simple_overlap`` (on by default since torch 2.14:
-it moves collectives and waits in the schedule) and, where they are right (2.14+), its
-``raise_comms`` / ``sink_waits`` / ``reorder_compute_for_overlap`` passes.
+it moves collectives and waits in the schedule) and the ``raise_comms`` / ``sink_waits`` /
+``reorder_compute_for_overlap`` passes the backend turns on where they are right (2.14+).
 
 The graphs differ between ranks (``test_rank_order.CASES``: a bias on rank 0, a branch on odd
 ranks), so a scheduler that places collectives by where compute lands could order them
@@ -21,14 +21,10 @@ from test_rank_order import CASES, _inputs, eager
 
 import fxcoalesce
 from fxcoalesce.apps.bench.code_overlap import call_body
-from fxcoalesce.apps.bench.variants import COMM_REORDER_RIGHT_FROM, torch_version
+from fxcoalesce.torch_releases import COMM_REORDER_RIGHT_FROM, torch_version
 from fxcoalesce.apps.launch import spawn
 from fxcoalesce.collectives import issue_sequence
 
-SIMPLE_OVERLAP = "aten_distributed_optimizations.enable_simple_overlap"
-REORDER = {"reorder_for_compute_comm_overlap": True,
-           "reorder_for_compute_comm_overlap_passes": ["sink_waits", "raise_comms",
-                                                       "reorder_compute_for_overlap"]}
 ORDERED = ("sum_bias_then_max", "extra_compute_between", "rank_branch")
 """Cases whose collectives differ in reduce op or size: a swap shows in the code itself."""
 
@@ -83,13 +79,12 @@ def _compile_cases(rank, world, options):
 
 
 def _option_sets():
-    known = set(torch._inductor.list_options())
-    sets = [pytest.param({SIMPLE_OVERLAP: True} if SIMPLE_OVERLAP in known else None,
-                         id="simple_overlap" if SIMPLE_OVERLAP in known else "inductor-default")]
+    """The backend as it comes (2.14+: simple_overlap, then the reorder passes after the
+    fxcoalesce passes) and, where those passes run by default, without them."""
+    sets = [pytest.param(None, id="backend-defaults")]
     if torch_version() >= COMM_REORDER_RIGHT_FROM:
-        sets.append(pytest.param({**REORDER, **({SIMPLE_OVERLAP: True}
-                                                if SIMPLE_OVERLAP in known else {})},
-                                 id="simple_overlap+reorder"))
+        sets.append(pytest.param({"reorder_for_compute_comm_overlap": False},
+                                 id="simple_overlap-alone"))
     return sets
 
 

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 import fxcoalesce
-from fxcoalesce.apps.bench.variants import COMM_REORDER_RIGHT_FROM, torch_version
+from fxcoalesce.torch_releases import COMM_REORDER_RIGHT_FROM, torch_version
 from fxcoalesce.apps.launch import spawn
 
 
@@ -119,8 +119,8 @@ def test_compiled_verify_matches_eager(options):
 def test_inductor_comm_reorder_passes_by_torch_version(passes):
     """Canary of an upstream bug: Inductor's raise_comms and sink_waits scheduler passes
     mis-ordered KV-cache writes before torch 2.14 (logits off by ~2), and are right since.
-    Either side of the version changing its answer fails here: the backend keeps them off, and
-    the bench compares fxcoalesce with them only where they are right."""
+    Either side of the version changing its answer fails here: the backend runs them after its
+    passes from 2.14 on (``torch_releases.comm_reorder_options``) and keeps them off before."""
     overlap = {"reorder_for_compute_comm_overlap": True,
                "reorder_for_compute_comm_overlap_passes": passes}
     errs = spawn(_against_eager, 2, ({}, overlap), backend="gloo")

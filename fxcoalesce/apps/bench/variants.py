@@ -15,8 +15,9 @@
                          for the group: PyTorch's own one-shot lowering (all_reduces up to
                          128 KiB; CUDA + NCCL only)
     hand-merged          the engines' hand-merged model code under plain torch.compile
-    fxcoalesce           torch.compile through fxcoalesce.backend()
-    fxcoalesce-reorder   fxcoalesce, then Inductor's comm reordering passes (torch 2.14+)
+    fxcoalesce           torch.compile through fxcoalesce.backend(): since torch 2.14 Inductor's
+                         comm reordering passes run after it (``compiler.backend``)
+    fxcoalesce-no-reorder  fxcoalesce without them (torch 2.14+)
     no-comm              Inductor with every all_reduce replaced by a local scale (x * world
                          size): WRONG RESULTS BY DESIGN, the floor (what the step costs if
                          communication were free); never a default, never a reference
@@ -38,7 +39,7 @@ import dataclasses
 
 VARIANTS = ("eager", "inductor", "inductor-no-overlap", "inductor-bucketing", "inductor-overlap",
             "inductor-reorder", "inductor-one-shot", "hand-merged", "fxcoalesce",
-            "fxcoalesce-reorder", "no-comm")
+            "fxcoalesce-no-reorder", "no-comm")
 DEFAULT_VARIANTS = tuple(v for v in VARIANTS if v != "no-comm")
 WRONG_BY_DESIGN = ("no-comm",)
 """Variants whose results are wrong on purpose: flagged in every output, never a reference."""
@@ -46,10 +47,6 @@ FLOOR = "no-comm"
 """The variant every other's ``exposed_comm_ms`` is measured from."""
 SCHED = "aten_distributed_optimizations."
 SIMPLE_OVERLAP = f"{SCHED}enable_simple_overlap"
-REORDER_PASSES = ["sink_waits", "raise_comms", "reorder_compute_for_overlap"]
-COMM_REORDER_RIGHT_FROM = (2, 14)
-"""The first torch whose comm reordering passes keep KV-cache writes in order (the canary:
-``tests/test_ranks.py::test_inductor_comm_reorder_passes_by_torch_version``)."""
 
 
 def parse_variants(text: str) -> tuple[str, ...]:
@@ -131,18 +128,13 @@ def bucketing_options(device: str, cudagraphs: bool) -> list[dict]:
     return [{k: v for k, v in t.items() if k in known} for t in tiers]
 
 
-def torch_version() -> tuple[int, int]:
-    import torch
-
-    major, minor = torch.__version__.split(".")[:2]
-    return int(major), int(minor)
-
-
 def option_tiers(name: str, device: str, cudagraphs: bool) -> list[dict] | str:
     """The Inductor options of variant ``name``, best first (a tier that fails to compile
     gives way to the next), or why this torch cannot run it; ``[None]`` for variants that
     set no Inductor option of their own."""
     import torch
+
+    from fxcoalesce.torch_releases import comm_reorder_options
 
     known = set(torch._inductor.list_options())
     base = {"triton.cudagraphs": True} if cudagraphs else {}
@@ -162,12 +154,14 @@ def option_tiers(name: str, device: str, cudagraphs: bool) -> list[dict] | str:
         if not set(overlap) <= known:
             return f"torch {version} has no overlap scheduler with collective bucketing"
         return [{**base, **overlap}]
-    if name in ("inductor-reorder", "fxcoalesce-reorder"):
-        if torch_version() < COMM_REORDER_RIGHT_FROM:
+    if name in ("inductor-reorder", "fxcoalesce-no-reorder"):
+        reorder = comm_reorder_options()
+        if not reorder:
             return (f"torch {version}: Inductor's raise_comms / sink_waits mis-order KV-cache "
                     "writes before 2.14 (tests/test_ranks.py)")
-        return [{**base, "reorder_for_compute_comm_overlap": True,
-                 "reorder_for_compute_comm_overlap_passes": list(REORDER_PASSES)}]
+        if name == "fxcoalesce-no-reorder":
+            return [{**base, "reorder_for_compute_comm_overlap": False}]
+        return [{**base, **reorder}]
     return [None]
 
 
@@ -272,10 +266,10 @@ def compile_variant(name: str, fn, label: str, *, cudagraphs: bool,
         return torch.compile(step, options=one_shot_options(cudagraphs), **common)
     if name == "no-comm":
         return torch.compile(step, options=no_comm_options(world, cudagraphs), **common)
-    if name in ("fxcoalesce", "fxcoalesce-reorder"):
+    if name in ("fxcoalesce", "fxcoalesce-no-reorder"):
         from fxcoalesce.compiler import backend
 
-        # with options (fxcoalesce-reorder) CUDA graphs come as triton.cudagraphs, not a mode
+        # with options (fxcoalesce-no-reorder) CUDA graphs come as triton.cudagraphs, not a mode
         be = backend(on_graph=on_graph, mode=None if options else mode, options=options)
         return torch.compile(step, backend=be, **common)
     raise ValueError(f"unknown variant {name!r}; choose from: {', '.join(VARIANTS)}")
