@@ -15,6 +15,7 @@ from torch._inductor.utils import run_and_get_code
 
 import fxcoalesce
 from fxcoalesce.apps.bench.code_overlap import collective_windows
+from fxcoalesce.apps.bench.variants import has_triton
 from fxcoalesce.apps.launch import init_fake_group
 from fxcoalesce.apps.steps import make_step
 from fxcoalesce.collectives import issue_sequence
@@ -87,9 +88,9 @@ OVERLAP_BUCKETING = {"aten_distributed_optimizations.enable_overlap_scheduling":
                      "aten_distributed_optimizations.compute_estimator": "analytical"}
 
 
-@pytest.mark.skipif(not set(OVERLAP_BUCKETING) <= set(torch._inductor.list_options()),
-                    reason=f"torch {torch.__version__} has no overlap scheduler with "
-                    "collective bucketing")
+@pytest.mark.skipif(not set(OVERLAP_BUCKETING) <= set(torch._inductor.list_options())
+                    or not has_triton(), reason=f"torch {torch.__version__} has no overlap "
+                    "scheduler with collective bucketing, or no Triton for it")
 @pytest.mark.parametrize("name, launches", [("neox-tiny", 5), ("kimi-k2-tiny", 9)])
 def test_inductor_overlap_bucketing_after_fxcoalesce_keeps_one_summed_launch_per_level(
         steps, name, launches):

@@ -7,7 +7,8 @@
     inductor-bucketing   Inductor with its own all_reduce bucketing (``bucket_all_reduces_fx``)
                          and the overlap options it had before 2.14 (:func:`bucketing_options`)
     inductor-overlap     Inductor's overlap scheduler with collective bucketing, analytical
-                         estimators (the same on every rank, and they run on CPU): torch 2.15
+                         estimators (the same on every rank, and they run on CPU): torch 2.13+
+                         with Triton installed (a CUDA build of torch, also on a CPU)
     inductor-reorder     Inductor's comm reordering passes ``sink_waits``, ``raise_comms``,
                          ``reorder_compute_for_overlap`` (torch 2.14+: before, they mis-ordered
                          KV-cache writes)
@@ -128,6 +129,13 @@ def bucketing_options(device: str, cudagraphs: bool) -> list[dict]:
     return [{k: v for k, v in t.items() if k in known} for t in tiers]
 
 
+def has_triton() -> bool:
+    """Whether Triton imports here (the CUDA builds of torch bring it; the CPU wheel does not)."""
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
+
+
 def option_tiers(name: str, device: str, cudagraphs: bool) -> list[dict] | str:
     """The Inductor options of variant ``name``, best first (a tier that fails to compile
     gives way to the next), or why this torch cannot run it; ``[None]`` for variants that
@@ -153,6 +161,8 @@ def option_tiers(name: str, device: str, cudagraphs: bool) -> list[dict] | str:
                    f"{SCHED}compute_estimator": "analytical"}
         if not set(overlap) <= known:
             return f"torch {version} has no overlap scheduler with collective bucketing"
+        if not has_triton():
+            return "Inductor's overlap scheduler needs Triton, which this torch install lacks"
         return [{**base, **overlap}]
     if name in ("inductor-reorder", "fxcoalesce-no-reorder"):
         reorder = comm_reorder_options()
