@@ -22,6 +22,7 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 
 from .meta import ORIGIN, SLICED, hinted_numel, numel, storage_of, tensor_val, tensor_vals
+from .reduce_ops import reduce_op_name
 
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
@@ -62,6 +63,7 @@ class Key:
     group: str
     """The group's name, or how an FX-node group is made (:func:`group_identity`)."""
     op: str
+    """The reduce op's name ("sum"), whether the graph holds the string or ``dist.ReduceOp``."""
     dtype: torch.dtype
     device: str
 
@@ -241,7 +243,8 @@ def _block_or_reason(node: Node, ordinal: int, order: dict[Node, int], sharing: 
     shape = tuple(val.shape)
     return CommBlock(
         collective=node, wait=wait, input=inp,
-        key=Key(group=key_group, op=str(op), dtype=val.dtype, device=str(val.device)),
+        key=Key(group=key_group, op=reduce_op_name(op), dtype=val.dtype,
+                device=str(val.device)),
         shape=shape, nbytes=hinted_numel(shape) * val.element_size(),
         inplace=inplace, copy_back=copy_back, ordinal=ordinal,
     )
@@ -280,8 +283,9 @@ def find_comm_blocks(graph: Graph) -> CommScan:
 
 
 MESH_GROUP = "_dtensor.mesh_get_process_group.default"
-"""What a collective's group is under ``torch.distributed.config.compile_on_one_rank``: an
-op resolving a device mesh's dimension to its group at run time."""
+"""What a collective's group is under ``compile_on_one_rank`` (``torch.compiler.config``; in
+2.13 ``torch.distributed.config``): an op resolving a device mesh's dimension to its group at
+run time."""
 
 
 def group_identity(group) -> str | None:
@@ -328,7 +332,8 @@ def group_setup(scan: CommScan) -> tuple[int | None, str | None]:
 
 def describe(node: Node) -> str:
     """One collective as peers must match it: kind, scalar arguments, dtypes and shapes."""
-    args = [a for a in node.args[1:] if isinstance(a, (str, int, float))]
+    args = [reduce_op_name(a) if _is_reduce_op(a) else a for a in node.args[1:]
+            if isinstance(a, (str, int, float)) or _is_reduce_op(a)]
     tensors = ", ".join(f"{str(v.dtype).removeprefix('torch.')}{list(v.shape)}"
                         for v in tensor_vals(node))
     text = f"{op_name(node)}({', '.join(map(str, args))}) -> {tensors}"
@@ -336,6 +341,12 @@ def describe(node: Node) -> str:
         return f"{text} <- {node.meta[ORIGIN]}"
     sliced = node.meta.get(SLICED)
     return text + (f" of {sliced}" if sliced else "")
+
+
+def _is_reduce_op(arg) -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and isinstance(arg, (dist.ReduceOp, dist.ReduceOp.RedOpType))
 
 
 def issue_sequence(graph: Graph) -> list[tuple[str | None, str]]:

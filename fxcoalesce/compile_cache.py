@@ -100,6 +100,8 @@ def _describe_patches(patches: dict) -> str:
     def value(v):
         if isinstance(v, (bool, int, float, str, type(None))):
             return repr(v)
+        if isinstance(v, (list, tuple)):  # e.g. reorder_for_compute_comm_overlap_passes
+            return f"[{', '.join(map(value, v))}]"
         uuid = getattr(v, "uuid", None)
         return f"{type(v).__qualname__}:{uuid() if callable(uuid) else id(v)}"
 

@@ -23,6 +23,7 @@ from .graph_compile import GraphCompile, keep, rewrite_agreed
 from .pipeline import next_graph_name
 from .rank_check import CollectiveMismatchError
 from .report import record
+from .torch_releases import comm_reorder_options
 
 log = logging.getLogger("fxcoalesce")
 CHECK_RANKS_ENV = "FXCOALESCE_CHECK_RANKS"
@@ -84,7 +85,12 @@ def backend(config: Config | None = None, *, on_graph: Callable | None = None,
     ``on_graph(before, after, report)``, called for every graph the passes rewrite (inspection
     tools use it), and ``Config.dump_dir`` need the graphs, so they skip AOTAutograd's cache.
     ``FXCOALESCE_DUMP=dir`` in the environment sets ``Config.dump_dir`` when ``config`` has
-    none.
+    none. Since torch 2.14 (where they keep KV-cache writes in order) Inductor's comm
+    reordering passes run after the fxcoalesce passes: they hide compute the schedule pass
+    leaves exposed (kimi-k2-tiny verify, torch 2.15: 7 kernels under its 9 all_reduces, none
+    without; benchmarks/NOTES.md) and keep the collectives' order
+    (tests/test_overlap_order.py); ``options={"reorder_for_compute_comm_overlap": False}``
+    turns them off.
     """
     from fxcoalesce.passes import check_config
 
@@ -95,7 +101,8 @@ def backend(config: Config | None = None, *, on_graph: Callable | None = None,
     check_config(cfg)
     if config is None or config.cost == Config().cost:
         cfg = _with_env_profile(cfg)
-    base = inductor_patches(mode, options, cfg.codegen)
+    base = {**(comm_reorder_options() if cfg.codegen == "inductor" else {}),
+            **inductor_patches(mode, options, cfg.codegen)}
     check_ranks = cfg.check_ranks or env_flag(CHECK_RANKS_ENV)
 
     def compile_graph(gm, example_inputs, *, mode=None, options=None):

@@ -11,6 +11,7 @@ from .collectives import group_setup
 from .config import CostModel
 from .cost import predict
 from .meta import module_path
+from .reduce_ops import ADVICE, reduce_op_breaks
 
 log = logging.getLogger("fxcoalesce")
 _REPORTS: list["Report"] = []
@@ -286,6 +287,13 @@ def named_impls(decision: dict, default: str) -> dict:
 
 
 def record(report: Report) -> None:
+    """Keep ``report`` (``reports()``) and log it; a graph break Dynamo made at a collective
+    given ``dist.ReduceOp`` since the last report joins this one's warnings and verdict."""
+    breaks = reduce_op_breaks()
+    if breaks:
+        report.warnings += breaks
+        report.verdict += (f"; Dynamo broke the program at {len(breaks)} collective(s) given "
+                           f"dist.ReduceOp, which run uncompiled ({ADVICE})")
     _REPORTS.append(report)
     log.info(report.summary())
     for w in report.warnings:

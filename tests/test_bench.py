@@ -12,8 +12,11 @@ from fxcoalesce.apps import checks, cli
 from fxcoalesce.apps.bench import records as bench_records
 from fxcoalesce.apps.bench import report as bench_report
 from fxcoalesce.apps.bench import run as bench
-from fxcoalesce.apps.bench.variants import (VARIANTS, bucketing_options, hand_merged_twin,
+from fxcoalesce.apps.bench.variants import (SCHED, SIMPLE_OVERLAP, VARIANTS, bucketing_options,
+                                            hand_merged_twin, has_triton, option_tiers,
                                             has_hand_merged, parse_variants)
+
+from fxcoalesce.torch_releases import COMM_REORDER_PASSES, COMM_REORDER_RIGHT_FROM, torch_version
 
 GiB = 1 << 30
 
@@ -28,10 +31,12 @@ def refused(capsys, argv: list[str]) -> str:
 
 @pytest.mark.parametrize("argv, message", [
     (["--variants", "eager,fast"], "--variants: unknown variant(s) 'fast'; choose from: "
-     "eager, inductor, inductor-bucketing, inductor-one-shot, hand-merged, fxcoalesce, "
+     "eager, inductor, inductor-no-overlap, inductor-bucketing, inductor-overlap, "
+     "inductor-reorder, inductor-one-shot, hand-merged, fxcoalesce, fxcoalesce-no-reorder, "
      "no-comm"),
     (["--variants", ","], "--variants names none; choose from: eager, inductor, "
-     "inductor-bucketing, inductor-one-shot, hand-merged, fxcoalesce, no-comm"),
+     "inductor-no-overlap, inductor-bucketing, inductor-overlap, inductor-reorder, "
+     "inductor-one-shot, hand-merged, fxcoalesce, fxcoalesce-no-reorder, no-comm"),
     (["--tokens", "3,0"], "--tokens must be at least 1, not 0"),
     (["--cudagraphs"], "--cudagraphs needs --device cuda (CUDA graphs capture GPU work)"),
     (["--trace"], "--trace needs --out DIR (the traces are written there)"),
@@ -119,6 +124,32 @@ def test_inductor_bucketing_options_on_cuda():
     assert tiers[-1] == {"bucket_all_reduces_fx": "all", "triton.cudagraphs": True}
 
 
+def test_variants_are_what_this_torch_offers():
+    """Each PyTorch variant runs where this torch has its options, and says why not
+    elsewhere: simple_overlap off (2.14+), the overlap scheduler with collective bucketing
+    (2.15), the comm reordering passes (2.14+, where they keep KV-cache writes in order)."""
+    known = set(torch._inductor.list_options())
+    no_overlap = option_tiers("inductor-no-overlap", "cpu", cudagraphs=False)
+    assert (no_overlap == [{SIMPLE_OVERLAP: False}]) == (SIMPLE_OVERLAP in known)
+    overlap = option_tiers("inductor-overlap", "cpu", cudagraphs=False)
+    if f"{SCHED}collective_bucketing" in known and has_triton():
+        (tier,) = overlap
+        assert tier[f"{SCHED}collective_bucketing"] is True
+        assert tier[f"{SCHED}compute_estimator"] == "analytical"  # the same on every rank
+    else:
+        assert "has no overlap scheduler" in overlap or "needs Triton" in overlap
+    reorder, no_reorder = (option_tiers(name, "cuda", cudagraphs=True)
+                           for name in ("inductor-reorder", "fxcoalesce-no-reorder"))
+    if torch_version() >= COMM_REORDER_RIGHT_FROM:
+        assert reorder == [{"triton.cudagraphs": True, "reorder_for_compute_comm_overlap": True,
+                            "reorder_for_compute_comm_overlap_passes": list(COMM_REORDER_PASSES)}]
+        assert no_reorder == [{"triton.cudagraphs": True,
+                               "reorder_for_compute_comm_overlap": False}]
+    else:
+        assert "mis-order KV-cache writes" in reorder and "mis-order KV-cache" in no_reorder
+    assert option_tiers("fxcoalesce", "cpu", cudagraphs=False) == [None]
+
+
 @pytest.mark.parametrize("name", ["neox-tiny", "kimi-k2-tiny"])
 def test_hand_merged_twin_is_the_hand_merged_model_on_shared_weights(name):
     model = models.build(name)
@@ -147,7 +178,8 @@ def record(tokens=3, tp=2) -> dict:
             "layers": None, "backend": "gloo", "device": "cpu", "cudagraphs": False,
             "nccl_mode": None, "torch": "2.13.0", "gpu": None, "dtype": "float32",
             "steps": 10, "warmup": 2, "date": "2026-11-30T00:00:00Z",
-            "variants": {"eager": v(20.0, 9), "inductor": v(10.0, 9), "fxcoalesce": v(5.0, 5)},
+            "variants": {"eager": v(20.0, 9), "inductor": {**v(10.0, 9), "hidden_kernels": [0, 3]},
+                         "fxcoalesce": {**v(5.0, 5), "hidden_kernels": [0, 0]}},
             "skipped": {"hand-merged": "llama-tiny has no hand-merged code"}, "notes": [],
             "command": "fxcoalesce bench"}
 
@@ -158,7 +190,10 @@ def test_report_files(tmp_path):
     assert json.loads((tmp_path / "out/bench.json").read_text()) == records
     md = (tmp_path / "out/bench.md").read_text()
     assert md.count("| variant | median ms |") == 2
-    assert "| fxcoalesce | 5.000 | 4.000 | 7.500 | 2.00x | 5 | 3.8 KiB | 1e-06 | 2.0 |" in md
+    assert "| fxcoalesce | 5.000 | 4.000 | 7.500 | 2.00x | 5 | 3.8 KiB | 0 | 1e-06 | 2.0 |" in md
+    # kernels hidden: the sum over the all_reduces; "-" where nothing was compiled (eager)
+    assert "| inductor | 10.000 | 8.000 | 15.000 | 1.00x | 9 | 6.8 KiB | 3 |" in md
+    assert "| eager | 20.000 | 16.000 | 30.000 | 0.50x | 9 | 6.8 KiB | - |" in md
     assert "- hand-merged: skipped (llama-tiny has no hand-merged code)" in md
     png = (tmp_path / "out/bench.png").read_bytes()
     assert png.startswith(b"\x89PNG") and messages == [

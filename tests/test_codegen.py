@@ -15,6 +15,7 @@ from torch._inductor.utils import run_and_get_code
 
 import fxcoalesce
 from fxcoalesce.apps.bench.code_overlap import collective_windows
+from fxcoalesce.apps.bench.variants import has_triton
 from fxcoalesce.apps.launch import init_fake_group
 from fxcoalesce.apps.steps import make_step
 from fxcoalesce.collectives import issue_sequence
@@ -79,3 +80,29 @@ def test_fused_code_has_fewer_launches_than_plain(steps):
     plain = all_reduce_windows(compiled_code(fn, args, "inductor"))
     ours = all_reduce_windows(compiled_code(fn, args, fxcoalesce.backend()))
     assert (len(plain), len(ours)) == (9, 5)
+
+
+OVERLAP_BUCKETING = {"aten_distributed_optimizations.enable_overlap_scheduling": True,
+                     "aten_distributed_optimizations.collective_bucketing": True,
+                     "aten_distributed_optimizations.collective_estimator": "analytical",
+                     "aten_distributed_optimizations.compute_estimator": "analytical"}
+
+
+@pytest.mark.skipif(not set(OVERLAP_BUCKETING) <= set(torch._inductor.list_options())
+                    or not has_triton(), reason=f"torch {torch.__version__} has no overlap "
+                    "scheduler with collective bucketing, or no Triton for it")
+@pytest.mark.parametrize("name, launches", [("neox-tiny", 5), ("kimi-k2-tiny", 9)])
+def test_inductor_overlap_bucketing_after_fxcoalesce_keeps_one_summed_launch_per_level(
+        steps, name, launches):
+    """Both bucketings fire (fxcoalesce's, then Inductor 2.15's overlap scheduler with
+    collective_bucketing): the code still launches one all_reduce per level, the sums
+    fxcoalesce made, not a concatenation of them."""
+    fn, args = steps[name]
+    reports = []
+    code = compiled_code(fn, args, fxcoalesce.backend(
+        options=OVERLAP_BUCKETING, on_graph=lambda b, a, r: reports.append(r)))
+    (report,) = reports
+    assert len(all_reduce_windows(code)) == report.all_reduce["after"] == \
+        report.all_reduce["lower_bound"] == launches
+    kinds = {b["kind"] for b in report.buckets}
+    assert "sum" in kinds and "cat" not in kinds

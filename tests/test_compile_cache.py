@@ -113,3 +113,16 @@ def test_a_rank_served_from_the_cache_still_agrees_with_one_that_compiles(tmp_pa
     for r in cold + warm:
         for got, want in zip(r["got"], r["want"], strict=True):
             torch.testing.assert_close(got, want)
+
+
+def test_the_key_of_list_options_is_their_contents():
+    """Regression: a list-valued Inductor option (``reorder_for_compute_comm_overlap_passes``,
+    which the backend sets on torch 2.14+) went into the key by its id, so a warm start
+    never found the cache (found on torch 2.15)."""
+    from fxcoalesce.compile_cache import compile_key
+
+    def key(passes):
+        return compile_key("f", "cfg", {"reorder_for_compute_comm_overlap_passes": passes})
+
+    assert key(["sink_waits", "raise_comms"]) == key(["sink_waits", "raise_comms"])
+    assert key(["sink_waits", "raise_comms"]) != key(["raise_comms", "sink_waits"])

@@ -69,7 +69,8 @@ def test_dynamic_true_inductor_code_has_the_fused_launches(neox_tp2):
     # 9 -> 5 on a graph whose sizes are symbols, and the generated code issues 5
     assert (report.all_reduce["before"], report.all_reduce["after"]) == (9, 5)
     # the wrapper checks the tokens' length as a symbol, not as 6: compiled for any length
-    FileCheck().check_regex(r"assert_size_stride\(arg\d+_1, \(1, s\d+\)").run(code)
+    # (torch 2.15 checks several inputs in one assert_size_stride_grouped call)
+    FileCheck().check_regex(r"assert_size_stride(_grouped)?\(.*\(1, s\d+\)").run(code)
     # and issues the 5 all_reduces, each in place on its buffer
     FileCheck().check_count("_c10d_functional.all_reduce_.default(", 5, exactly=True).run(code)
     FileCheck().check_not("_c10d_functional.all_reduce.default(").run(code)

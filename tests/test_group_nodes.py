@@ -1,5 +1,6 @@
-"""Tier 2: all_reduces whose group is an FX node (``torch.distributed.config
-.compile_on_one_rank``, fake process group).
+"""Tier 2: all_reduces whose group is an FX node (``compile_on_one_rank``: in
+``torch.compiler.config`` since torch 2.14, ``torch.distributed.config`` in 2.13 (a deprecated alias since);
+fake process group).
 
 Compiled on one rank for all, a collective's group is resolved at run time from the device
 mesh the graph takes as an input: ``group_name = mesh_get_process_group(mesh, dim)``. Every
@@ -23,9 +24,11 @@ import fxcoalesce
 from fxcoalesce.apps.launch import init_fake_group
 from fxcoalesce.collectives import ALL_REDUCE, MESH_GROUP, WAIT, find_comm_blocks, group_of
 
-pytestmark = pytest.mark.skipif(
-    not hasattr(getattr(dist, "config", None), "compile_on_one_rank"),
-    reason="torch.distributed.config.compile_on_one_rank is new in torch 2.13")
+ONE_RANK_CONFIG = next((c for c in (torch.compiler.config, getattr(dist, "config", None))
+                        if hasattr(c, "compile_on_one_rank")), None)
+"""Where this torch keeps ``compile_on_one_rank`` (2.14 moved it; the old name is a deprecated alias)."""
+pytestmark = pytest.mark.skipif(ONE_RANK_CONFIG is None,
+                                reason="compile_on_one_rank is new in torch 2.13")
 
 
 def compile_on_one_rank(fn, *args):
@@ -35,7 +38,7 @@ def compile_on_one_rank(fn, *args):
     be = fxcoalesce.backend(fxcoalesce.Config(codegen="eager", strict=True),
                             on_graph=lambda b, a, r: graphs.append((a, r)))
     torch._dynamo.reset()
-    with dist.config.patch(compile_on_one_rank=True):
+    with ONE_RANK_CONFIG.patch(compile_on_one_rank=True):
         out = torch.compile(fn, backend=be, fullgraph=True)(*args)
         want = fn(*args)
     ((after, report),) = graphs

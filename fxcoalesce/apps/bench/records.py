@@ -47,6 +47,8 @@ def merge_ranks(per_rank: list[list[dict]], opt, env: dict) -> list[dict]:
                  "steps_ms": [round(s / 1e3, 4) for s in steps]}
             if f.get("lowered"):
                 v["lowered"] = f["lowered"]
+            if f.get("hidden_kernels") is not None:
+                v["hidden_kernels"] = f["hidden_kernels"]
             if name in WRONG_BY_DESIGN:
                 v["wrong_by_design"] = True
             if f["options"]:

@@ -5,7 +5,8 @@ whiskers), and the table it prints. Pure functions of the records: no torch.
 A record: ``{"model", "step", "tp", "tokens", "layers", "backend", "device", "cudagraphs",
 "nccl_mode", "torch", "gpu", "driver", "nccl", "profile", "date", ..., "variants": {NAME:
 {"median_ms", "p10_ms", "p90_ms", "all_reduce_launches", "bytes", "max_abs_err",
-"exposed_comm_ms" (when no-comm ran), "wrong_by_design" (no-comm), "lowered", ...}},
+"exposed_comm_ms" (when no-comm ran), "wrong_by_design" (no-comm), "lowered",
+"hidden_kernels" (per all_reduce of the generated code, the kernels under it), ...}},
 "skipped": {NAME: why}, "notes": [...]}`` (``records.py`` makes them). The ``no-comm``
 variant is wrong by design: its row says so in the error column, its bar is hatched red with
 the floor drawn across the panel, and the table gains an "exposed comm ms" column.
@@ -90,7 +91,7 @@ def _bytes(n: int) -> str:
 
 
 HEADER = ("variant", "median ms", "p10 ms", "p90 ms", f"vs {BASELINE}", "all_reduce launches",
-          "bytes reduced", "max abs err", "compile s")
+          "bytes reduced", "kernels hidden", "max abs err", "compile s")
 EXPOSED = "exposed comm ms"
 """The column shown when the no-comm floor ran: each variant's median minus the floor's."""
 
@@ -107,6 +108,12 @@ def _launches(v: dict) -> str:
     return f"{v['all_reduce_launches']}" + (f" ({lowered})" if lowered else "")
 
 
+def _hidden(v: dict) -> str:
+    """Kernels the generated code launches under its all_reduces, in all ('-': not compiled)."""
+    hidden = v.get("hidden_kernels")
+    return "-" if hidden is None else str(sum(hidden))
+
+
 def _error(v: dict) -> str:
     err = f"{v['max_abs_err']:.3g}"
     return f"{err} (wrong by design)" if v.get("wrong_by_design") else err
@@ -117,7 +124,7 @@ def rows(rec: dict) -> list[tuple[str, ...]]:
     out = []
     for name, v in rec["variants"].items():
         cells = [name, f"{v['median_ms']:.3f}", f"{v['p10_ms']:.3f}", f"{v['p90_ms']:.3f}",
-                 _speedup(rec, name), _launches(v), _bytes(v["bytes"]), _error(v)]
+                 _speedup(rec, name), _launches(v), _bytes(v["bytes"]), _hidden(v), _error(v)]
         if exposed:
             cells.append(f"{v['exposed_comm_ms']:.3f}" if "exposed_comm_ms" in v else "-")
         out.append((*cells, f"{v.get('compile_s', 0):.1f}"))

@@ -48,8 +48,8 @@ import torch.distributed as dist
 from fxcoalesce.apps.bench import compile_timing
 from fxcoalesce.apps.bench.records import environment, merge_ranks, percentile  # noqa: F401
 from fxcoalesce.apps.bench.timing import timed
-from fxcoalesce.apps.bench.variants import (DEFAULT_VARIANTS, bucketing_options,
-                                            compile_variant, has_hand_merged, hand_merged_twin,
+from fxcoalesce.apps.bench.variants import (DEFAULT_VARIANTS, compile_variant,
+                                            has_hand_merged, hand_merged_twin, option_tiers,
                                             unavailable)
 from fxcoalesce.apps.steps import make_step
 
@@ -292,10 +292,9 @@ def _compile_all(r: _Rank, fns: dict, args: tuple, tokens: int):
         if why:
             skipped[name] = why
             continue
-        tiers = (bucketing_options(opt.device, opt.cudagraphs)
-                 if name == "inductor-bucketing" else [None])
-        if not tiers:
-            skipped[name] = f"torch {torch.__version__} has no bucket_all_reduces_fx"
+        tiers = option_tiers(name, opt.device, opt.cudagraphs)
+        if isinstance(tiers, str):
+            skipped[name] = tiers
             continue
         failures = []
         for k, options in enumerate(tiers):
@@ -315,9 +314,10 @@ def _compile_all(r: _Rank, fns: dict, args: tuple, tokens: int):
             error, seconds, info = None, None, {"cache": None}
             cache = (compile_timing.own_cache(name) if name != "eager"
                      else contextlib.nullcontext(info))
+            codes: list[str] = []
             start = time.perf_counter()
             try:
-                with cache as info:
+                with cache as info, _output_code(codes):
                     r.call(fn, args)
                     seconds = time.perf_counter() - start
                     # CUDA-graph trees record on the second call and replay on the third: a
@@ -337,13 +337,37 @@ def _compile_all(r: _Rank, fns: dict, args: tuple, tokens: int):
             facts[name] = {"compile_s": round(seconds, 2), "compile_cache": info["cache"],
                            "graphs": _graphs_made() - graphs,
                            "cudagraph_skips": _cudagraph_skips() - skips,
-                           "options": options, "reports": reports, "failed_tiers": failures}
+                           "options": options, "reports": reports, "failed_tiers": failures,
+                           "hidden_kernels": hidden_kernels(codes)}
             r.say(f"    done in {seconds:.1f} s"
                   + (f" ({info['cache']} Inductor cache of its own)" if info["cache"] else ""))
             break
         else:
             skipped[name] = f"failed to compile: {'; '.join(failures)}"
     return calls, facts, skipped
+
+
+@contextlib.contextmanager
+def _output_code(codes: list[str]):
+    """Collect the wrapper code Inductor generates inside (``run_and_get_code`` without its
+    ``torch._dynamo.reset()``)."""
+    from unittest import mock
+
+    from torch._inductor.graph import GraphLowering
+
+    with mock.patch.object(GraphLowering, "save_output_code", codes.append):
+        yield
+
+
+def hidden_kernels(codes: list[str]) -> list[int] | None:
+    """Per all_reduce of the generated code, in launch order, the kernels launched between its
+    issue and its wait (``code_overlap``); None when nothing was generated (eager)."""
+    from fxcoalesce.apps.bench.code_overlap import collective_windows
+
+    if not codes:
+        return None
+    return [w.kernels for code in codes for w in collective_windows(code)
+            if w.op.startswith("all_reduce")]
 
 
 def _symm_mem_for_group(r: _Rank) -> str | None:

@@ -1,16 +1,27 @@
 """The ways ``fxcoalesce bench`` runs one step, and how each is made.
 
-    eager               the model's own code, no compile
-    inductor            torch.compile (Inductor), nothing else
-    inductor-bucketing  Inductor with its own all_reduce bucketing and overlap options
-    inductor-one-shot   Inductor with ``_collective.auto_select`` and symmetric memory enabled
-                        for the group: PyTorch's own one-shot lowering (all_reduces up to
-                        128 KiB; CUDA + NCCL only)
-    hand-merged         the engines' hand-merged model code under plain torch.compile
-    fxcoalesce          torch.compile through fxcoalesce.backend()
-    no-comm             Inductor with every all_reduce replaced by a local scale (x * world
-                        size): WRONG RESULTS BY DESIGN, the floor (what the step costs if
-                        communication were free); never a default, never a reference
+    eager                the model's own code, no compile
+    inductor             torch.compile (Inductor) as it comes: since torch 2.14 that includes
+                         ``simple_overlap`` (collectives issued early, waits late, in order)
+    inductor-no-overlap  Inductor with ``simple_overlap`` off (torch 2.14+)
+    inductor-bucketing   Inductor with its own all_reduce bucketing (``bucket_all_reduces_fx``)
+                         and the overlap options it had before 2.14 (:func:`bucketing_options`)
+    inductor-overlap     Inductor's overlap scheduler with collective bucketing, analytical
+                         estimators (the same on every rank, and they run on CPU): torch 2.13+
+                         with Triton installed (a CUDA build of torch, also on a CPU)
+    inductor-reorder     Inductor's comm reordering passes ``sink_waits``, ``raise_comms``,
+                         ``reorder_compute_for_overlap`` (torch 2.14+: before, they mis-ordered
+                         KV-cache writes)
+    inductor-one-shot    Inductor with ``_collective.auto_select`` and symmetric memory enabled
+                         for the group: PyTorch's own one-shot lowering (all_reduces up to
+                         128 KiB; CUDA + NCCL only)
+    hand-merged          the engines' hand-merged model code under plain torch.compile
+    fxcoalesce           torch.compile through fxcoalesce.backend(): since torch 2.14 Inductor's
+                         comm reordering passes run after it (``compiler.backend``)
+    fxcoalesce-no-reorder  fxcoalesce without them (torch 2.14+)
+    no-comm              Inductor with every all_reduce replaced by a local scale (x * world
+                         size): WRONG RESULTS BY DESIGN, the floor (what the step costs if
+                         communication were free); never a default, never a reference
 
 Every compiled variant calls the step through a function whose code object is its own
 (:func:`own_code`): dynamo keeps compiled code on code objects, and two variants of one model
@@ -27,13 +38,16 @@ from __future__ import annotations
 import copy
 import dataclasses
 
-VARIANTS = ("eager", "inductor", "inductor-bucketing", "inductor-one-shot", "hand-merged",
-            "fxcoalesce", "no-comm")
+VARIANTS = ("eager", "inductor", "inductor-no-overlap", "inductor-bucketing", "inductor-overlap",
+            "inductor-reorder", "inductor-one-shot", "hand-merged", "fxcoalesce",
+            "fxcoalesce-no-reorder", "no-comm")
 DEFAULT_VARIANTS = tuple(v for v in VARIANTS if v != "no-comm")
 WRONG_BY_DESIGN = ("no-comm",)
 """Variants whose results are wrong on purpose: flagged in every output, never a reference."""
 FLOOR = "no-comm"
 """The variant every other's ``exposed_comm_ms`` is measured from."""
+SCHED = "aten_distributed_optimizations."
+SIMPLE_OVERLAP = f"{SCHED}enable_simple_overlap"
 
 
 def parse_variants(text: str) -> tuple[str, ...]:
@@ -115,6 +129,52 @@ def bucketing_options(device: str, cudagraphs: bool) -> list[dict]:
     return [{k: v for k, v in t.items() if k in known} for t in tiers]
 
 
+def has_triton() -> bool:
+    """Whether Triton imports here (the CUDA builds of torch bring it; the CPU wheel does not)."""
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
+
+
+def option_tiers(name: str, device: str, cudagraphs: bool) -> list[dict] | str:
+    """The Inductor options of variant ``name``, best first (a tier that fails to compile
+    gives way to the next), or why this torch cannot run it; ``[None]`` for variants that
+    set no Inductor option of their own."""
+    import torch
+
+    from fxcoalesce.torch_releases import comm_reorder_options
+
+    known = set(torch._inductor.list_options())
+    base = {"triton.cudagraphs": True} if cudagraphs else {}
+    version = torch.__version__
+    if name == "inductor-bucketing":
+        return bucketing_options(device, cudagraphs) or f"torch {version} has no " \
+            "bucket_all_reduces_fx"
+    if name == "inductor-no-overlap":
+        if SIMPLE_OVERLAP not in known:
+            return f"torch {version} has no simple_overlap: plain inductor runs without it"
+        return [{**base, SIMPLE_OVERLAP: False}]
+    if name == "inductor-overlap":
+        overlap = {f"{SCHED}enable_overlap_scheduling": True,
+                   f"{SCHED}collective_bucketing": True,
+                   f"{SCHED}collective_estimator": "analytical",
+                   f"{SCHED}compute_estimator": "analytical"}
+        if not set(overlap) <= known:
+            return f"torch {version} has no overlap scheduler with collective bucketing"
+        if not has_triton():
+            return "Inductor's overlap scheduler needs Triton, which this torch install lacks"
+        return [{**base, **overlap}]
+    if name in ("inductor-reorder", "fxcoalesce-no-reorder"):
+        reorder = comm_reorder_options()
+        if not reorder:
+            return (f"torch {version}: Inductor's raise_comms / sink_waits mis-order KV-cache "
+                    "writes before 2.14 (tests/test_ranks.py)")
+        if name == "fxcoalesce-no-reorder":
+            return [{**base, "reorder_for_compute_comm_overlap": False}]
+        return [{**base, **reorder}]
+    return [None]
+
+
 def unavailable(name: str, device: str, backend: str) -> str | None:
     """Why variant ``name`` cannot run on this setup (a skip note), None when it can."""
     if name != "inductor-one-shot":
@@ -149,13 +209,15 @@ class NoComm:
     def __call__(self, graph) -> None:
         import torch
 
+        from fxcoalesce.reduce_ops import reduce_op_name
+
         c10d = torch.ops._c10d_functional
         for ar in [n for n in graph.nodes if n.op == "call_function"
                    and n.target is c10d.all_reduce.default]:
             x, op = ar.args[0], ar.args[1]
             with graph.inserting_after(ar):
                 local = (graph.call_function(torch.ops.aten.mul.Tensor, (x, self.world))
-                         if op == "sum" else x)
+                         if reduce_op_name(op) == "sum" else x)
             if local is not x:
                 local.meta.update(ar.meta)
             for user in list(ar.users):
@@ -196,7 +258,7 @@ def _custom_pass(p: NoComm):
 def compile_variant(name: str, fn, label: str, *, cudagraphs: bool,
                     options: dict | None = None, on_graph=None, world: int = 1):
     """The callable of compiled variant ``name`` for step ``fn`` (eager returns ``fn``).
-    ``options`` are inductor-bucketing's; ``on_graph`` receives fxcoalesce's reports;
+    ``options`` are the variant's (:func:`option_tiers`); ``on_graph`` receives fxcoalesce's reports;
     ``world`` is no-comm's scale."""
     import torch
 
@@ -207,14 +269,17 @@ def compile_variant(name: str, fn, label: str, *, cudagraphs: bool,
     common = {"fullgraph": True, "dynamic": False}
     if name in ("inductor", "hand-merged"):
         return torch.compile(step, mode=mode, **common)
-    if name == "inductor-bucketing":
+    if name in ("inductor-no-overlap", "inductor-bucketing", "inductor-overlap",
+                "inductor-reorder"):
         return torch.compile(step, options=options, **common)
     if name == "inductor-one-shot":
         return torch.compile(step, options=one_shot_options(cudagraphs), **common)
     if name == "no-comm":
         return torch.compile(step, options=no_comm_options(world, cudagraphs), **common)
-    if name == "fxcoalesce":
+    if name in ("fxcoalesce", "fxcoalesce-no-reorder"):
         from fxcoalesce.compiler import backend
 
-        return torch.compile(step, backend=backend(on_graph=on_graph, mode=mode), **common)
+        # with options (fxcoalesce-no-reorder) CUDA graphs come as triton.cudagraphs, not a mode
+        be = backend(on_graph=on_graph, mode=None if options else mode, options=options)
+        return torch.compile(step, backend=be, **common)
     raise ValueError(f"unknown variant {name!r}; choose from: {', '.join(VARIANTS)}")

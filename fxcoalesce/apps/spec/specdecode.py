@@ -12,9 +12,10 @@ compiles two steps through the fxcoalesce backend with the same settings:
 records them; every prompt is then decoded both ways, timed end to end (prefill included),
 and the two token sequences are compared.
 
-The backend leaves Inductor's own comm-reordering passes off: ``sink_waits`` moved the wait
-of the speculative step's last all_reduce past a fused kernel that reads its result (wrong
-tokens at TP 2; benchmarks/NOTES.md). A sequential model has nothing to overlap anyway.
+Before torch 2.14 the backend leaves Inductor's own comm-reordering passes off: there
+``sink_waits`` moved the wait of the speculative step's last all_reduce past a fused kernel
+that reads its result (wrong tokens at TP 2; benchmarks/NOTES.md). A sequential model has
+nothing to overlap anyway.
 """
 
 from __future__ import annotations
