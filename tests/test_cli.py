@@ -30,7 +30,7 @@ def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
 
 
 BAD_INPUT = [  # (arguments, the one stderr line after "fxcoalesce <cmd>: error: ")
-    (["inspect"], "--model is required (--list names the models)"),
+    (["inspect"], "--model or --hf is required (--list names the zoo's models)"),
     (["inspect", "--model", "no-such-model"], "unknown model 'no-such-model'; choose one of: "
      "llama-tiny, neox-tiny, llama-3-70b, falcon-40b, kimi-k2, deepseek-v3, kimi-k2-tiny, "
      "smollm2-135m, llama-3-8b"),
