@@ -103,7 +103,8 @@ def test_timeline_uses_the_reports_cost_profile(capsys, monkeypatch, tmp_path):
     out = capsys.readouterr().out
     # the report's prediction read it too: the first row, the one the rewrite was chosen with
     assert re.search(r"\n    your profile \(4 gloo ranks, CPU\)  9000\.0 -> 5000\.0 µs "
-                     r"\(exposed [\d.]+ -> [\d.]+\)  \(the rewrite was chosen with it\)\n", out), out
+                     r"\(exposed [\d.]+ -> [\d.]+\)  \(the rewrite was chosen with it\)\n",
+                     out), out
     assert f"your profile (4 gloo ranks, CPU): gloo, an eager loop; {profile}" in out
     assert f"predicted: all_reduce from the profile {profile}; compute a CPU roofline" in out
     assert "communication 9000 µs" in out and "communication 5000 µs" in out

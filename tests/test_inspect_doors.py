@@ -55,8 +55,9 @@ FACTORY = textwrap.dedent('''
     def make():
         plan = {{}}
         for i in range(LAYERS):
-            plan |= {{f"blocks.{{i}}.qkv": ColwiseParallel(), f"blocks.{{i}}.proj": RowwiseParallel(),
-                     f"blocks.{{i}}.up": ColwiseParallel(), f"blocks.{{i}}.down": RowwiseParallel()}}
+            column, row = ColwiseParallel(), RowwiseParallel()
+            plan |= {{f"blocks.{{i}}.qkv": column, f"blocks.{{i}}.proj": row,
+                     f"blocks.{{i}}.up": column, f"blocks.{{i}}.down": row}}
         return Net().to(torch.bfloat16), plan, (1, 8, DIM)
 
     class Sequential(nn.Module):
