@@ -405,6 +405,23 @@ def check_demo(args) -> None:
                   tokens=args.tokens)
     if args.out is not None:
         _can_make_dir(args.out, "demo", "demo.json")
+    if args.model is None:  # both parts: the merge model's forward, then SmolLM2
+        from fxcoalesce.apps.tour import MERGE_MODEL
+
+        if args.hand_merged:
+            raise ValueError("--hand-merged: for --model NAME only (the demo's first part "
+                             "sets plain torch.compile against fxcoalesce)")
+        _model(MERGE_MODEL, args.tp, "forward")
+        _model(PRETRAINED, args.tp, "verify")
+        _gpus(args.device, args.backend, args.tp)
+        _no_gloo_on_cuda(args.device, _backend(args), args.tp, args.backend is not None)
+        _hostable(args.tp, args.device)
+        from fxcoalesce.apps.spec.demo import head_path
+
+        head_path(args.draft)
+        _prompt(args.prompt or DEFAULT_PROMPT)
+        _weights()
+        return
     _model(args.model, args.tp, "verify")
     if args.hand_merged:
         _hand_merged(args.model)

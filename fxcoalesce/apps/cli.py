@@ -290,15 +290,21 @@ def parser() -> argparse.ArgumentParser:
                         "collective time and the part no compute overlapped")
     b.set_defaults(fn=cmd_bench, check=checks.check_bench)
 
-    d = sub.add_parser("demo", help="EAGLE-3 speculative decoding with the verify step "
-                                    "compiled through fxcoalesce")
-    d.add_argument("--model", default="kimi-k2-tiny",
-                   help="target model, KV-cached (default: %(default)s)")
+    d = sub.add_parser("demo", help="the main job: a model whose all_reduces fxcoalesce "
+                                    "merges, timed against plain torch.compile, then EAGLE-3 "
+                                    "speculative decoding of SmolLM2-135M through fxcoalesce")
+    d.add_argument("--model",
+                   help="run one part alone: smollm2-135m (the pretrained target with its "
+                        "trained head), or a zoo model with a KV cache (kimi-k2-tiny, ...: "
+                        "random weights, the verify step with and without the pass) "
+                        "(default: both parts: neox-tiny timed plain vs fxcoalesce, then "
+                        "smollm2-135m)")
     d.add_argument("--tp", type=int, default=2,
                    help="ranks, one process each; 1 runs in this process (default: %(default)s)")
     d.add_argument("--tokens", type=int,
-                   help="new tokens to generate, at least 2 (default: 32; smollm2-135m: 256, "
-                        "or fewer when it stops at EOS)")
+                   help="new tokens to generate, at least 2 (default: 64 for both parts' "
+                        "SmolLM2 answer, 256 with --model smollm2-135m, 32 for a zoo model; "
+                        "SmolLM2 stops earlier at EOS)")
     d.add_argument("--backend", choices=["gloo", "nccl"],
                    help="process group backend (default: nccl with --device cuda and a GPU "
                         "per rank, else gloo)")
@@ -414,21 +420,7 @@ class _NamedOnce(logging.Formatter):
         return text if text.startswith("fxcoalesce") else f"{record.name}: {text}"
 
 
-def _quiet_missing_numpy() -> None:
-    """torch warns at import when numpy is absent; nothing here needs it (the base install
-    has none), so the main job's output and its ranks' stay clean."""
-    import os
-    import warnings
-
-    rule = "ignore:Failed to initialize NumPy"
-    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
-    if rule not in os.environ.get("PYTHONWARNINGS", ""):  # spawned ranks read it at start
-        os.environ["PYTHONWARNINGS"] = ",".join(
-            x for x in (os.environ.get("PYTHONWARNINGS"), rule) if x)
-
-
 def main(argv: list[str] | None = None) -> int:
-    _quiet_missing_numpy()
     args = parser().parse_args(argv)
     args.command_line = "fxcoalesce " + " ".join(sys.argv[1:] if argv is None else argv)
     handler = logging.StreamHandler()
