@@ -67,6 +67,17 @@ class Report:
     def from_dict(cls, data: dict) -> Report:
         return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
 
+    def pass_cost_ms(self) -> dict[str, float]:
+        """What fxcoalesce added to this graph's compile, measured inside it (ms): the
+        pipeline (``total_ms``) and, where the ranks compared, agreeing (``agreement``: the
+        pipeline at the ladder's other steps, and the exchange through the store, waiting
+        for the peers included). The rest of a compile is Dynamo, AOTAutograd and codegen."""
+        agreed = self.agreement or {}
+        ladder = float(agreed.get("ladder_ms") or 0.0)
+        exchange = float(agreed.get("exchange_ms") or 0.0)
+        return {"pipeline": self.total_ms, "ladder": ladder, "exchange": exchange,
+                "total": round(self.total_ms + ladder + exchange, 3)}
+
     def summary(self) -> str:
         """One line of counts, then one line per merge (and per group kept apart), naming the
         all_reduces by module path, their FX names beside them."""

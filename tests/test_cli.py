@@ -30,7 +30,7 @@ def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
 
 
 BAD_INPUT = [  # (arguments, the one stderr line after "fxcoalesce <cmd>: error: ")
-    (["inspect"], "--model is required (--list names the models)"),
+    (["inspect"], "--model or --hf is required (--list names the zoo's models)"),
     (["inspect", "--model", "no-such-model"], "unknown model 'no-such-model'; choose one of: "
      "llama-tiny, neox-tiny, llama-3-70b, falcon-40b, kimi-k2, deepseek-v3, kimi-k2-tiny, "
      "smollm2-135m, llama-3-8b"),
@@ -57,8 +57,10 @@ BAD_INPUT = [  # (arguments, the one stderr line after "fxcoalesce <cmd>: error:
     (["bench", "--tokens", "0"], "--tokens must be at least 1, not 0"),
     (["bench", "--steps", "0"], "--steps must be at least 1, not 0"),
     (["bench", "--warmup", "-1"], "--warmup must be at least 0, not -1"),
-    (["demo", "--tp", "3"], "kimi-k2-tiny: tensor parallelism 3 does not divide the attention "
-     "heads (n_heads) (8); choose a TP degree that divides 8"),
+    (["demo", "--tp", "3"], "neox-tiny: tensor parallelism 3 does not divide the key/value "
+     "heads (4); choose a TP degree that divides 4"),  # the first part's model
+    (["demo", "--model", "kimi-k2-tiny", "--tp", "3"], "kimi-k2-tiny: tensor parallelism 3 "
+     "does not divide the attention heads (n_heads) (8); choose a TP degree that divides 8"),
     (["demo", "--tp", "0"], "--tp must be at least 1, not 0"),
     (["demo", "--tokens", "0"], "--tokens must be at least 2, not 0 (the first new token comes "
      "from the prefill, the others from verify steps)"),

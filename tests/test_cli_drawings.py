@@ -4,6 +4,7 @@ write, and their bad input (one line, exit 2, before any trace)."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from torch.testing import FileCheck
@@ -28,7 +29,7 @@ def refused(capsys, args: list[str]) -> str:
     (["--model", "neox-tiny", "--timeline"], "--timeline writes timeline.png: give --out DIR"),
     (["--trace", "t.json"], "--trace writes trace_timeline.png: give --out DIR"),
     (["--trace", "no-such.json", "--out", "{tmp}"], "--trace no-such.json: no such file"),
-    (["--format", "png"], "--model is required (--list names the models)"),
+    (["--format", "png"], "--model or --hf is required (--list names the zoo's models)"),
 ])
 def test_drawing_options_refused(capsys, tmp_path, args, message):
     assert refused(capsys, [a.format(tmp=tmp_path) for a in args]) == message
@@ -100,7 +101,11 @@ def test_timeline_uses_the_reports_cost_profile(capsys, monkeypatch, tmp_path):
     assert cli.main(["inspect", "--model", "neox-tiny", "--tp", "4", "--timeline",
                      "--out", str(tmp_path / "o")]) == 0
     out = capsys.readouterr().out
-    assert f"model: {profile}" in out  # the report's prediction read it too
+    # the report's prediction read it too: the first row, the one the rewrite was chosen with
+    assert re.search(r"\n    your profile \(4 gloo ranks, CPU\)  9000\.0 -> 5000\.0 µs "
+                     r"\(exposed [\d.]+ -> [\d.]+\)  \(the rewrite was chosen with it\)\n",
+                     out), out
+    assert f"your profile (4 gloo ranks, CPU): gloo, an eager loop; {profile}" in out
     assert f"predicted: all_reduce from the profile {profile}; compute a CPU roofline" in out
     assert "communication 9000 µs" in out and "communication 5000 µs" in out
 

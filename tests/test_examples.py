@@ -44,7 +44,43 @@ def test_tp_parallel_block_example():
     assert [ln.split(":")[0] for ln in shown] == [ln.split(":")[0] for ln in lines if ln], shown
 
 
-def readme_example_output() -> list[str]:
-    """The fenced block after the README's ``<!-- example output`` marker."""
-    text = (ROOT / "README.md").read_text().split("<!-- example output", 1)[1]
+def readme_example_output(marker: str = "<!-- example output") -> list[str]:
+    """The fenced block after the README's ``marker``."""
+    text = (ROOT / "README.md").read_text().split(marker, 1)[1]
     return text.split("```\n", 2)[1].splitlines()
+
+
+HF_EXAMPLE = ROOT / "examples" / "hf_generate.py"
+
+
+def test_hf_generate_example():
+    """transformers' generate() on 2 gloo ranks, model.forward compiled by fxcoalesce: the
+    tokens equal eager's and plain torch.compile's on every rank (the example exits 1
+    otherwise), each graph's parallel blocks summed, and the README shows this output."""
+    pytest.importorskip("transformers")
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("hf_generate", HF_EXAMPLE)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    layers = example.TINY["num_hidden_layers"]
+    proc = run_torchrun(HF_EXAMPLE, "--rounds", "3", timeout=480)
+    assert proc.returncode == 0, f"exit {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
+    lines = proc.stdout.splitlines()
+    graphs = [ln for ln in lines if ln.startswith("fxcoalesce[graph ")]
+    # the prefill, the first decode step, and the decode step of dynamic length
+    assert len(graphs) == 3, proc.stdout
+    for line in graphs:  # the embedding's all_reduce, then attention + MLP summed per layer
+        assert (f"all_reduce {1 + 2 * layers} -> {1 + layers} launches (lower bound "
+                f"{1 + layers})") in line, line
+        assert f"{layers} summed; reached the lower bound" in line, line
+    result = [ln for ln in lines if ln.startswith("result: ")]
+    assert len(result) == 1 and "tokens equal to eager and to plain torch.compile on all 2 " \
+        "ranks" in result[0], proc.stdout
+    assert re.search(r"^ms per token, median of 3 generate\(\) calls \(p10-p90\): torch.compile "
+                     r"[\d.]+ ms \([\d.]+-[\d.]+\), fxcoalesce [\d.]+ ms", proc.stdout, re.M)
+    shown = readme_example_output("<!-- hf example output")
+    prefix = lambda line: " ".join(line.split()[:2])  # noqa: E731
+    assert [prefix(ln) for ln in shown] == [prefix(ln) for ln in lines if ln], \
+        "README.md's HF example output is stale; paste the run's output:\n" + proc.stdout
+    assert [ln for ln in shown if ln.startswith("fxcoalesce[")] == graphs

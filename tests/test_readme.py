@@ -46,6 +46,12 @@ ELSEWHERE = {  # run in full by another test or script; here their options are p
     "fxcoalesce bench --model neox-tiny --tp 2": "by hand (3 min 17 s on 2 shared cores)",
     "fxcoalesce calibrate --tp 2 --out profile.json": "by hand (53 s on 2 cores, 2026-12-01)",
     "fxcoalesce demo": ".ci/run",
+    ".venv/bin/torchrun --standalone --nproc-per-node 2 examples/hf_generate.py":
+        "tests/test_examples.py",
+    "fxcoalesce inspect --hf cohere --tp 8": "tests/test_inspect_doors.py (slow)",
+    "fxcoalesce inspect --hf deepseek_v3 --tp 8": "tests/test_inspect_doors.py (slow)",
+    "fxcoalesce inspect --model my_model.py:make --tp 8":
+        "tests/test_inspect_doors.py (a factory written in a temporary directory)",
 }
 
 
@@ -61,7 +67,7 @@ def code_blocks(text: str) -> list[tuple[str, list[str]]]:
 
 def shell_commands(text: str) -> list[str]:
     """Each command line of the README's shell blocks, without its trailing comment."""
-    prefixes = ("fxcoalesce", "python3 ", ".venv", "torchrun", "bash ", "FXCOALESCE_")
+    prefixes = ("fxcoalesce ", "python3 ", ".venv", "torchrun", "bash ", "FXCOALESCE_")
     found = []
     for lang, lines in code_blocks(text):
         if lang not in ("", "bash", "sh"):

@@ -63,11 +63,14 @@ def test_refused_before_any_work(args, message):
      "sequential blocks (each all_reduce feeds the next block), so there is nothing to merge "
      "by hand; models with hand-merged code: neox-tiny, falcon-40b, kimi-k2, deepseek-v3, "
      "kimi-k2-tiny"),  # regression: silently ignored
-    (["demo", "--prompt", "hi"], "--prompt: for --model smollm2-135m only; kimi-k2-tiny has "
-     "random weights, a random draft and no tokenizer (its prompt is random token ids)"),
-    (["demo", "--draft", "x", "--prompt", "hi"], "--prompt and --draft: for --model "
+    (["demo", "--model", "kimi-k2-tiny", "--prompt", "hi"], "--prompt: for --model "
      "smollm2-135m only; kimi-k2-tiny has random weights, a random draft and no tokenizer (its "
      "prompt is random token ids)"),
+    (["demo", "--model", "kimi-k2-tiny", "--draft", "x", "--prompt", "hi"], "--prompt and "
+     "--draft: for --model smollm2-135m only; kimi-k2-tiny has random weights, a random draft "
+     "and no tokenizer (its prompt is random token ids)"),
+    (["demo", "--hand-merged"], "--hand-merged: for --model NAME only (the demo's first part "
+     "sets plain torch.compile against fxcoalesce)"),
 ])
 def test_options_that_would_be_ignored_are_refused(args, message):
     assert_refused(run_cli(*args), args[0], message)

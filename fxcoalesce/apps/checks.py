@@ -165,13 +165,60 @@ def _drawings(args) -> None:
         raise ValueError(f"--trace {args.trace}: {kind}")
 
 
+def _only_for(args, door: str) -> None:
+    """Options that only one front door of inspect takes (zoo, factory, hf)."""
+    zoo_only = [("--step verify", args.step != "forward"), ("--hand-merged", args.hand_merged)]
+    given = [o for o, on in zoo_only if on] if door != "zoo" else []
+    if door == "factory":
+        given += [o for o, on in (("--layers", args.layers is not None),
+                                  ("--tokens", args.tokens is not None)) if on]
+    if door != "hf" and args.set:
+        given.append("--set")
+    if given:
+        what = {"zoo": "a zoo model", "factory": "a factory",
+                "hf": "a Hugging Face config"}[door]
+        takes = {"--set": "--hf only", "--layers": "zoo models and --hf",
+                 "--tokens": "zoo models and --hf; a factory's input shape sets it"}
+        raise ValueError(f"{given[0]}: not for {what} ({takes.get(given[0], 'zoo models only')})")
+
+
+def _profile(args) -> None:
+    """``--profile`` (else ``$FXCOALESCE_PROFILE``) reads, and was measured at ``--tp`` ranks:
+    the rewrite is chosen with it, as the backend would on that job."""
+    from fxcoalesce.config import CostModel, ProfileError
+
+    named = args.profile or os.environ.get("FXCOALESCE_PROFILE") or None
+    option = "--profile" if args.profile else "FXCOALESCE_PROFILE"
+    if named is None:
+        return
+    try:
+        world = CostModel.from_profile(named).profile.world_size
+    except ProfileError as e:
+        raise ValueError(f"{option}: {e}") from None
+    if world != args.tp:
+        raise ValueError(f"{option} {named} was measured at world size {world}, but inspect "
+                         f"traces --tp {args.tp}; calibrate with --tp {args.tp}, or inspect "
+                         f"--tp {world}")
+    args.profile = named
+
+
 def check_inspect(args) -> None:
+    from fxcoalesce.apps.inspect.command import door as door_of
+
     if args.list:
         return
-    if not args.model and not args.trace:
-        raise ValueError("--model is required (--list names the models)")
-    if args.model:
-        _at_least(1, tp=args.tp, tokens=args.tokens)
+    if args.model and args.hf:
+        raise ValueError("--model and --hf name two models; give one")
+    if not args.model and not args.hf and not args.trace:
+        raise ValueError("--model or --hf is required (--list names the zoo's models)")
+    door = door_of(args) if args.model or args.hf else None
+    if door:
+        _only_for(args, door)
+        if door != "factory" and args.tokens is None:
+            args.tokens = 3
+        _at_least(1, tp=args.tp)
+        if args.tokens is not None:
+            _at_least(1, tokens=args.tokens)
         if args.layers is not None:
             _at_least(1, layers=args.layers)
         try:
@@ -182,10 +229,24 @@ def check_inspect(args) -> None:
         _can_make_dir(args.out)
     if args.format != "txt" or args.timeline or args.trace:
         _drawings(args)
-    if args.model:
+    if door == "zoo":
         _model(args.model, args.tp, args.step)
         if args.hand_merged:
             _hand_merged(args.model)
+    elif door == "factory":
+        from fxcoalesce.apps.inspect.factory import load_factory
+
+        load_factory(args.model)  # imports it: a missing module or function is one line now
+    elif door == "hf":
+        from fxcoalesce.apps.inspect.hf import check_heads, hf_config, parse_overrides, source
+
+        overrides = parse_overrides(args.set)
+        args.hf_config = hf_config(args.hf, layers=args.layers, overrides=overrides)
+        args.hf_source = source(args.hf, args.layers, args.set)
+        check_heads(args.hf_config, args.tp)
+    if door:
+        _profile(args)
+
 
 
 GiB = 1 << 30
@@ -344,6 +405,23 @@ def check_demo(args) -> None:
                   tokens=args.tokens)
     if args.out is not None:
         _can_make_dir(args.out, "demo", "demo.json")
+    if args.model is None:  # both parts: the merge model's forward, then SmolLM2
+        from fxcoalesce.apps.tour import MERGE_MODEL
+
+        if args.hand_merged:
+            raise ValueError("--hand-merged: for --model NAME only (the demo's first part "
+                             "sets plain torch.compile against fxcoalesce)")
+        _model(MERGE_MODEL, args.tp, "forward")
+        _model(PRETRAINED, args.tp, "verify")
+        _gpus(args.device, args.backend, args.tp)
+        _no_gloo_on_cuda(args.device, _backend(args), args.tp, args.backend is not None)
+        _hostable(args.tp, args.device)
+        from fxcoalesce.apps.spec.demo import head_path
+
+        head_path(args.draft)
+        _prompt(args.prompt or DEFAULT_PROMPT)
+        _weights()
+        return
     _model(args.model, args.tp, "verify")
     if args.hand_merged:
         _hand_merged(args.model)

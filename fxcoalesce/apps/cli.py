@@ -19,124 +19,19 @@ def _progress(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-def _table(rows: list[tuple[str, object]]) -> str:
-    width = max(len(k) for k, _ in rows)
-    return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
-
-
-def _comm(pred: dict) -> str:
-    """'total (exposed) -> total (exposed)' of a report's predicted_comm_us."""
-    b, a = pred["before"], pred["after"]
-    model = ("default, uncalibrated: a ring over PCIe, compute a CPU roofline (the fake "
-             "tensors' device)" if pred["model"] == "default" else pred["model"])
-    return (f"{b['total']} -> {a['total']}  (exposed {b['exposed']} -> {a['exposed']}; "
-            f"model: {model}, world {pred['world_size_assumed']})")
-
-
 def cmd_inspect(args) -> int:
     from fxcoalesce import models
-    from fxcoalesce.pipeline import graph_text
-    from fxcoalesce.apps.trace import trace_model
+    from fxcoalesce.apps.inspect.command import draw_trace, run_inspect
 
     if args.list:
         for name in models.model_names():
             print(name)
         return 0
     if args.trace:
-        _draw_trace(args)
-    if not args.model:
+        draw_trace(args)
+    if not args.model and not args.hf:
         return 0
-    # DOT without --out goes to stdout, so that it pipes into `dot`; the table goes aside
-    table_out = sys.stderr if args.format == "dot" and not args.out else sys.stdout
-    cfg = Config(bucket_cap_mb=args.bucket_cap_mb)
-    sys.stdout.flush()  # what --trace printed comes first, also when both go to one pipe
-    t = trace_model(args.model, tp=args.tp, tokens=args.tokens, step=args.step,
-                    hand_merged=args.hand_merged, config=cfg, layers=args.layers,
-                    say=None if args.quiet else _progress)
-    r = t.report
-    a = r.all_reduce
-    print(f"{args.model}{' (hand-merged)' if args.hand_merged else ''}  step={args.step}  "
-          f"TP={args.tp}  tokens={args.tokens}", file=table_out)
-    print(_table([
-        ("all_reduce launches", f"{a['before']} -> {a['after']}  (lower bound {a['lower_bound']})"),
-        ("all_reduce bytes", f"{a['bytes_before']} -> {a['bytes_after']}"),
-        ("predicted comm (µs)", _comm(r.predicted_comm_us)),
-        ("buckets", len(r.buckets)),
-        ("other collectives", r.other_collectives or "none"),
-        ("graph nodes", f"{r.nodes['before']} -> {r.nodes['after']}"),
-        ("pipeline time", f"{r.total_ms:.1f} ms in all (analysis {r.analysis_ms:.1f} ms, "
-                          + ", ".join(f"{p['name']} {p['ms']:.1f} ms" for p in r.passes)
-                          + ")"),
-        ("trace time", f"{t.seconds:.1f} s"),
-        ("verdict", r.verdict),
-    ]), file=table_out)
-    for w in r.warnings:
-        print(f"  warning: {w}", file=table_out)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        extra = {"model": args.model, "world_size": args.tp, "tokens": args.tokens,
-                 "step": args.step, "hand_merged": args.hand_merged, "layers": args.layers,
-                 "trace_s": round(t.seconds, 2)}
-        (out / "report.json").write_text(r.to_json(**extra) + "\n")  # a text file's last line
-        (out / "before.txt").write_text(graph_text(t.before))
-        (out / "after.txt").write_text(graph_text(t.after))
-        print(f"wrote {out}/report.json, before.txt, after.txt")
-    _draw_model(args, t)
-    return 0
-
-
-def _draw_model(args, t) -> None:
-    """The pictures ``--format dot|svg|png`` and ``--timeline`` ask for."""
-    from fxcoalesce.viz.dag import find_collective_dag
-    from fxcoalesce.viz.picture import collective_picture, to_dot
-
-    title = (f"{args.model}{' (hand-merged)' if args.hand_merged else ''}  step={args.step}  "
-             f"TP={args.tp}  tokens={args.tokens}")
-    if args.format != "txt":
-        before = find_collective_dag(t.before)
-        panels = collective_picture(before, find_collective_dag(t.after, origins=before),
-                                    collapse=args.collapse,
-                                    bound=t.report.all_reduce["lower_bound"])
-        dot = to_dot(panels, title)
-        if not args.out:
-            print(dot, end="")
-        else:
-            (Path(args.out) / "collectives.dot").write_text(dot)
-            print(f"wrote {args.out}/collectives.dot")
-            if args.format in ("svg", "png"):
-                from fxcoalesce.viz.draw import render_picture
-
-                path = Path(args.out) / f"collectives.{args.format}"
-                engine = render_picture(panels, path, args.format, title=title)
-                print(f"wrote {path} (drawn by {engine})")
-    if args.timeline:
-        from fxcoalesce.viz.draw import draw_timelines
-        from fxcoalesce.viz.timeline import predict_timeline
-
-        from fxcoalesce.config import CostModel
-
-        pred = t.report.predicted_comm_us  # the timeline uses the report's cost model
-        cost = (Config().cost if pred["model"] == "default"
-                else CostModel.from_profile(pred["model"]))
-        world = pred["world_size_assumed"]
-        timelines = [predict_timeline(gm, cost, world, f"{name}, predicted")
-                     for name, gm in (("before", t.before), ("after", t.after))]
-        draw_timelines(timelines, Path(args.out) / "timeline.png", unit="µs (predicted)")
-        for tl in timelines:
-            print(f"  {tl.summary()}")
-        print(f"  predicted: {timelines[0].assumes}")
-        print(f"wrote {args.out}/timeline.png")
-
-
-def _draw_trace(args) -> None:
-    from fxcoalesce.viz.draw import draw_timelines, read_chrome_trace
-
-    timeline = read_chrome_trace(args.trace)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    draw_timelines([timeline], Path(args.out) / "trace_timeline.png", unit="µs (profiler)")
-    print(f"  {timeline.summary()}")
-    print(f"wrote {args.out}/trace_timeline.png")
+    return run_inspect(args, say=(lambda text: None) if args.quiet else _progress)
 
 
 def cmd_bench(args) -> int:
@@ -283,21 +178,46 @@ def parser() -> argparse.ArgumentParser:
                         "bench compile, and how long each took); results and errors stay")
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    i = sub.add_parser("inspect", help="trace a named model under fake tensors and show "
+    i = sub.add_parser("inspect", help="trace a model under fake tensors (a named one, your "
+                                       "own factory, or a Hugging Face architecture) and show "
                                        "what the pipeline does")
-    i.add_argument("--model", help="model name (required; --list names them)")
+    i.add_argument("--model",
+                   help="a model name (--list names them), or your own factory: "
+                        "package.module:function or path/to/file.py:function, returning "
+                        "(module, plan, input_shape): the unsharded nn.Module, a "
+                        "parallelize_module plan (module path -> ColwiseParallel() / "
+                        "RowwiseParallel() / ...) or None when the module shards itself (a "
+                        "function(group) is given the fake process group), and the example "
+                        "input's shape; called on the meta device, so no weights")
+    i.add_argument("--hf", metavar="TYPE|config.json",
+                   help="a Hugging Face architecture: a transformers model type (cohere, "
+                        "deepseek_v3, gpt_neox, llama, qwen3_moe, ...: its config class's "
+                        "defaults, i.e. full size) or a config.json (or its directory), sharded "
+                        "by its own base_model_tp_plan as tp_plan='auto' shards it (needs "
+                        "transformers)")
+    i.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="--hf only: override a config field, e.g. --set hidden_size=4096 "
+                        "(repeatable; VALUE is read as JSON, else as text)")
+    i.add_argument("--profile", metavar="FILE",
+                   help="your profile from fxcoalesce calibrate, measured at --tp ranks: the "
+                        "rewrite is chosen with it and its prediction comes first (default: "
+                        "$FXCOALESCE_PROFILE, else the uncalibrated ring model); the measured "
+                        "profiles under benchmarks/results are always shown too")
     i.add_argument("--list", action="store_true", help="list the model names and exit")
     i.add_argument("--tp", type=int, default=8,
                    help="tensor-parallel world size, traced on a fake group (default: %(default)s)")
-    i.add_argument("--tokens", type=int, default=3,
-                   help="tokens in the traced step (default: %(default)s)")
+    i.add_argument("--tokens", type=int,
+                   help="tokens in the traced step (default: 3; a factory's input shape says "
+                        "its own)")
     i.add_argument("--step", default="forward", choices=["forward", "verify"],
-                   help="forward: prefill; verify: EAGLE-3 tree verification, KV-cached models "
-                        "only (default: %(default)s)")
+                   help="forward: prefill; verify: EAGLE-3 tree verification, the zoo's "
+                        "KV-cached models only (default: %(default)s)")
     i.add_argument("--hand-merged", action="store_true",
-                   help="trace the engines' hand-merged model code instead (the baseline)")
+                   help="trace the engines' hand-merged model code instead (the baseline; "
+                        "zoo models)")
     i.add_argument("--layers", type=int,
-                   help="override the model's number of layers (default: the model's own)")
+                   help="override the number of layers of a zoo model or --hf config "
+                        "(default: its own)")
     i.add_argument("--bucket-cap-mb", type=float, default=Config().bucket_cap_mb,
                    help="largest fused all_reduce, in MB (default: %(default)s)")
     i.add_argument("--out", help="directory to write report.json, before.txt and after.txt "
@@ -370,15 +290,21 @@ def parser() -> argparse.ArgumentParser:
                         "collective time and the part no compute overlapped")
     b.set_defaults(fn=cmd_bench, check=checks.check_bench)
 
-    d = sub.add_parser("demo", help="EAGLE-3 speculative decoding with the verify step "
-                                    "compiled through fxcoalesce")
-    d.add_argument("--model", default="kimi-k2-tiny",
-                   help="target model, KV-cached (default: %(default)s)")
+    d = sub.add_parser("demo", help="the main job: a model whose all_reduces fxcoalesce "
+                                    "merges, timed against plain torch.compile, then EAGLE-3 "
+                                    "speculative decoding of SmolLM2-135M through fxcoalesce")
+    d.add_argument("--model",
+                   help="run one part alone: smollm2-135m (the pretrained target with its "
+                        "trained head), or a zoo model with a KV cache (kimi-k2-tiny, ...: "
+                        "random weights, the verify step with and without the pass) "
+                        "(default: both parts: neox-tiny timed plain vs fxcoalesce, then "
+                        "smollm2-135m)")
     d.add_argument("--tp", type=int, default=2,
                    help="ranks, one process each; 1 runs in this process (default: %(default)s)")
     d.add_argument("--tokens", type=int,
-                   help="new tokens to generate, at least 2 (default: 32; smollm2-135m: 256, "
-                        "or fewer when it stops at EOS)")
+                   help="new tokens to generate, at least 2 (default: 64 for both parts' "
+                        "SmolLM2 answer, 256 with --model smollm2-135m, 32 for a zoo model; "
+                        "SmolLM2 stops earlier at EOS)")
     d.add_argument("--backend", choices=["gloo", "nccl"],
                    help="process group backend (default: nccl with --device cuda and a GPU "
                         "per rank, else gloo)")
@@ -494,21 +420,7 @@ class _NamedOnce(logging.Formatter):
         return text if text.startswith("fxcoalesce") else f"{record.name}: {text}"
 
 
-def _quiet_missing_numpy() -> None:
-    """torch warns at import when numpy is absent; nothing here needs it (the base install
-    has none), so the main job's output and its ranks' stay clean."""
-    import os
-    import warnings
-
-    rule = "ignore:Failed to initialize NumPy"
-    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
-    if rule not in os.environ.get("PYTHONWARNINGS", ""):  # spawned ranks read it at start
-        os.environ["PYTHONWARNINGS"] = ",".join(
-            x for x in (os.environ.get("PYTHONWARNINGS"), rule) if x)
-
-
 def main(argv: list[str] | None = None) -> int:
-    _quiet_missing_numpy()
     args = parser().parse_args(argv)
     args.command_line = "fxcoalesce " + " ".join(sys.argv[1:] if argv is None else argv)
     handler = logging.StreamHandler()

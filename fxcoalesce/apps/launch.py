@@ -9,6 +9,7 @@ first failure is raised as ``RankError`` (type and message; the rank's traceback
 
 from __future__ import annotations
 
+import multiprocessing.util
 import os
 import socket
 import sys
@@ -73,6 +74,10 @@ def _entry(rank, world_size, port, backend, fn, args, queue, done, env, group_ti
     done.wait(timeout=600)  # tensors in the result are shared memory: live until received
     queue.close()
     queue.join_thread()  # everything put is in the pipe before the process ends
+    # what atexit would finalize: semaphores this rank made (tqdm's lock, which Inductor's
+    # progress bar creates) unregister from the parent's resource tracker, which otherwise
+    # warns at exit that they leaked
+    multiprocessing.util._run_finalizers(0)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # the result is delivered: no interpreter teardown (CUDA graphs, NCCL) to hang

@@ -1,5 +1,9 @@
-"""Trace a named model's step under fake tensors and a fake process group (no weights, no
-GPU) and run the pipeline on it: what ``fxcoalesce inspect`` shows."""
+"""Trace a model's step under fake tensors and a fake process group (no weights, no GPU) and
+run the pipeline on it: what ``fxcoalesce inspect`` shows.
+
+    traced = trace_model("kimi-k2", tp=8, tokens=3, step="verify")     # the zoo
+    traced = trace_step(fn, args, mode)     # any step built under ``mode`` (apps.inspect)
+"""
 
 from __future__ import annotations
 
@@ -29,6 +33,22 @@ class Traced:
     seconds: float
 
 
+def trace_step(fn: Callable, args: tuple, mode: FakeTensorMode, *,
+               config: Config | None = None) -> tuple[GraphModule, GraphModule, Report]:
+    """Compile ``fn`` (one graph: ``fullgraph=True``) with the fxcoalesce backend, run it on
+    ``args`` under ``mode`` (the fake mode its parameters were made in) and return the first
+    graph the backend saw: before the pipeline, after it, and its report. The rewritten graph
+    runs as Python (``codegen="eager"``) on fake tensors: nothing is computed."""
+    graphs = []
+    cfg = replace(config or Config(), codegen="eager")
+    compiled = torch.compile(fn, backend=backend(cfg, on_graph=lambda *g: graphs.append(g)),
+                             fullgraph=True)
+    torch._dynamo.reset()  # a new model: never a cached graph of an earlier one
+    with torch.no_grad(), mode:
+        compiled(*args)
+    return graphs[0]
+
+
 def trace_model(name: str, *, tp: int, tokens: int, step: str = "forward",
                 hand_merged: bool = False, config: Config | None = None,
                 layers: int | None = None,
@@ -54,14 +74,7 @@ def trace_model(name: str, *, tp: int, tokens: int, step: str = "forward",
         model = models.build(name, hand_merged=hand_merged, dtype=dtype, layers=layers)
         models.apply_tp(model, group)
         fn, args = make_step(model, step, tokens)
-    graphs = []
-    cfg = replace(config or Config(), codegen="eager")
-    compiled = torch.compile(fn, backend=backend(cfg, on_graph=lambda *g: graphs.append(g)),
-                             fullgraph=True)
-    torch._dynamo.reset()
-    with torch.no_grad(), mode:
-        compiled(*args)
-    before, after, report = graphs[0]
+    before, after, report = trace_step(fn, args, mode, config=config)
     seconds = time.perf_counter() - t0
     say(f"  traced in {seconds:.1f} s")
     return Traced(before, after, report, seconds)

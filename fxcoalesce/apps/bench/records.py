@@ -60,6 +60,7 @@ def merge_ranks(per_rank: list[list[dict]], opt, env: dict) -> list[dict]:
             if f["reports"]:
                 v["report_all_reduce"] = f["reports"]
                 v["report_predicted_comm_us"] = f["predicted_comm_us"]
+                v["report_pass_ms"] = f["pass_ms"]  # rank 0's: inside its compile
             if len(set(launches)) > 1:
                 v["all_reduce_launches_per_rank"] = launches
                 notes.append(f"{name}: ranks issued different all_reduce counts {launches}")

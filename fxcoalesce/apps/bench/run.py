@@ -439,6 +439,7 @@ def _bench_tokens(r: _Rank, tokens: int) -> dict:
         f["times_us"] = times[name]
         f["recompiled"] = _graphs_made() != graphs
         f["predicted_comm_us"] = [rep.predicted_comm_us for rep in f["reports"]]
+        f["pass_ms"] = [rep.pass_cost_ms() for rep in f["reports"]]
         f["reports"] = [rep.all_reduce for rep in f["reports"]]
     notes = [] if hasattr(r.model, "setup_cache") or opt.step == "forward" else [
         f"{opt.model} has no KV cache: its verify step is a plain forward over the tokens"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from fxcoalesce.apps.spec import smollm2
@@ -34,77 +35,121 @@ def head_path(given: str | None) -> Path:
     return path
 
 
-def run_smollm2_demo(args) -> int:
+@dataclass(slots=True)
+class SmolRun:
+    """One speculative decoding of a prompt, on every rank, and what to print of it."""
+
+    summary: dict
+    """``specdecode.summarize``: accepted length, tokens/s, all_reduces, verdicts, pass ms."""
+    result: dict
+    """Rank 0's result for the prompt (its tokens, whether they equal greedy's)."""
+    text: str
+    stopped: bool
+    """The answer ended at EOS (else at the token limit)."""
+    options: SpecOptions
+
+
+def decode_smollm2(*, prompt: str, tokens: int, tp: int, device: str, backend: str | None,
+                   codegen: str | None, draft: str | None) -> SmolRun:
+    """Answer ``prompt`` with SmolLM2-135M and the trained EAGLE-3 head (``draft``, else the
+    repository's), speculatively and greedily, on ``tp`` ranks (spawned when more than 1);
+    the weights are fetched once and checked here, before any rank starts."""
     from fxcoalesce.models import llama
 
-    t0 = time.perf_counter()
     target_args = llama.CONFIGS[smollm2.NAME]
-    draft = head_path(args.draft)
-    check_compatible(read_config(draft), draft, smollm2.NAME, target_args)
+    head = head_path(draft)
+    check_compatible(read_config(head), head, smollm2.NAME, target_args)
     gguf = smollm2.gguf_path()
     tok = smollm2.ChatTokenizer(smollm2.read_gguf(gguf))
-    ids = tok.encode_chat(args.prompt)
-    tokens = args.tokens or DEFAULT_TOKENS
-    cuda = args.device == "cuda"
-    opt = SpecOptions(gguf=str(gguf), draft=str(draft), prompts=(tuple(ids),), tokens=tokens,
-                      device=args.device, codegen=args.codegen or ("inductor" if cuda else "eager"),
+    ids = tok.encode_chat(prompt)
+    cuda = device == "cuda"
+    opt = SpecOptions(gguf=str(gguf), draft=str(head), prompts=(tuple(ids),), tokens=tokens,
+                      device=device, codegen=codegen or ("inductor" if cuda else "eager"),
                       mode="reduce-overhead" if cuda else None, warmup_tokens=16)
     need = len(ids) + tokens + opt.total_tokens
     if need > target_args.max_seq_len:
         raise ValueError(f"the prompt is {len(ids)} tokens (chat template included); with "
                          f"--tokens {tokens} and a tree of {opt.total_tokens} it needs {need} "
                          f"positions, past {smollm2.NAME}'s context of {target_args.max_seq_len}")
-    print(f"speculative decoding: {smollm2.NAME}, TP={args.tp}, head {draft}, up to {tokens} "
+    print(f"speculative decoding: {smollm2.NAME}, TP={tp}, head {head}, up to {tokens} "
           f"new tokens, tree of {opt.total_tokens} (depth {opt.depth}, top-k {opt.top_k}), "
           f"codegen {opt.codegen}{', CUDA graphs' if cuda else ''}; compiling both steps ...",
           file=sys.stderr, flush=True)
-    if args.tp == 1:
+    if tp == 1:
         ranks = [spec_worker(0, 1, opt)]
     else:
-        ranks = spawn(spec_worker, args.tp, (opt,),
-                      backend=args.backend or default_backend(args.device, args.tp))
-    s = summarize(ranks[0], ranks)
+        ranks = spawn(spec_worker, tp, (opt,), backend=backend or default_backend(device, tp))
     r = ranks[0]["results"][0]
-    stopped = r["tokens"][-1] == tok.eos_id
-    print(f"\n{args.prompt}\n\n{tok.decode(r['tokens']).strip()}\n")
-    a = s["all_reduce_per_call"].get("spec")
-    print(f"{smollm2.NAME}, TP={args.tp} ({s['backend']}), {s['device']}")
-    if a and args.tp > 1:
-        print(f"  all_reduce per speculative step  : {a['before']} -> {a['after']} (lower bound "
-              f"{a['lower_bound']}: sequential blocks, one chain)")
-    print(f"  new tokens                       : {r['spec_tokens']}"
-          f"{' (stopped at EOS)' if stopped else ''}")
-    print(f"  mean accepted length             : {s['mean_accepted']:.2f} tokens per verify")
-    print(f"  tokens per second                : {s['tokens_per_s']['speculative']:.1f} "
-          f"speculative, {s['tokens_per_s']['target_greedy']:.1f} target-only greedy "
-          f"({s['speedup_vs_target_greedy']:.2f}x; prefill included, after compilation)")
-    print(f"  tokens equal target greedy       : {r['same_tokens']}")
-    print(f"  ranks agree                      : {s['ranks_agree']}")
+    return SmolRun(summarize(ranks[0], ranks), r, tok.decode(r["tokens"]).strip(),
+                   r["tokens"][-1] == tok.eos_id, opt)
+
+
+def smollm2_lines(run: SmolRun, tp: int) -> list[str]:
+    """The figures of a run, one per line: all_reduces and the report's verdict, accepted
+    length, tokens/s against greedy, whether the tokens are greedy's, the pass's own time."""
+    s, r = run.summary, run.result
+    lines = []
+    a, verdict = s["all_reduce_per_call"].get("spec"), s["verdict"].get("spec")
+    if a and tp > 1:
+        lines.append(f"all_reduce per speculative step  : {a['before']} -> {a['after']} "
+                     f"(lower bound {a['lower_bound']}); the report: {verdict}")
+    lines += [
+        f"new tokens                       : {r['spec_tokens']}"
+        f"{' (stopped at EOS)' if run.stopped else ''}",
+        f"mean accepted length             : {s['mean_accepted']:.2f} tokens per verify",
+        f"tokens per second                : {s['tokens_per_s']['speculative']:.1f} "
+        f"speculative, {s['tokens_per_s']['target_greedy']:.1f} target-only greedy "
+        f"({s['speedup_vs_target_greedy']:.2f}x; prefill included, after compilation)",
+        f"tokens equal target greedy       : {r['same_tokens']}",
+        f"ranks agree                      : {s['ranks_agree']}"]
+    if cost := s["pass_ms"].get("spec"):
+        lines.append(f"fxcoalesce inside the compile    : {pass_cost_text(cost)} for the "
+                     "speculative step's graph")
+    return lines
+
+
+def pass_cost_text(cost: dict) -> str:
+    """'41.5 ms (pipeline 30.4 ms, agreeing 11.1 ms)' from ``Report.pass_cost_ms()``."""
+    agreeing = cost["ladder"] + cost["exchange"]
+    return (f"{cost['total']:.1f} ms (pipeline {cost['pipeline']:.1f} ms"
+            + (f", agreeing {agreeing:.1f} ms" if agreeing else "") + ")")
+
+
+def run_smollm2_demo(args) -> int:
+    t0 = time.perf_counter()
+    run = decode_smollm2(prompt=args.prompt, tokens=args.tokens or DEFAULT_TOKENS, tp=args.tp,
+                         device=args.device, backend=args.backend, codegen=args.codegen,
+                         draft=args.draft)
+    print(f"\n{args.prompt}\n\n{run.text}\n")
+    print(f"{smollm2.NAME}, TP={args.tp} ({run.summary['backend']}), {run.summary['device']}")
+    for line in smollm2_lines(run, args.tp):
+        print(f"  {line}")
     print(f"  wall time                        : {time.perf_counter() - t0:.0f} s")
     if getattr(args, "out", None):
-        text = tok.decode(r["tokens"]).strip()
-        print(f"wrote {write_demo_json(s, r, args, opt, text, stopped)}")
+        print(f"wrote {write_demo_json(run, args)}")
     return 0
 
 
-def write_demo_json(s: dict, r: dict, args, opt: SpecOptions, text: str, stopped: bool) -> Path:
+def write_demo_json(run: SmolRun, args) -> Path:
     """``DIR/demo.json`` with what the demo prints. No ``verify_ms``: this demo sets
     speculative decoding against greedy decoding, not the verify step with and without the
     pass (a sequential model is at its bound: nothing to rewrite)."""
     import torch
 
+    s, r, opt = run.summary, run.result, run.options
     spec = s["all_reduce_per_call"].get("spec") or {}
     data = {
         "model": smollm2.NAME, "tp": args.tp, "backend": s["backend"], "device": s["device"],
         "codegen": opt.codegen, "mode": opt.mode, "prompt": args.prompt, "head": opt.draft,
         "tree": {"top_k": opt.top_k, "depth": opt.depth, "total_tokens": opt.total_tokens},
         "all_reduce": {k: spec.get(k, 0) for k in ("before", "after", "lower_bound")},
-        "new_tokens": r["spec_tokens"], "stopped_at_eos": stopped,
+        "verdict": s["verdict"].get("spec", ""), "pass_ms": s["pass_ms"].get("spec"),
+        "new_tokens": r["spec_tokens"], "stopped_at_eos": run.stopped,
         "mean_accepted": s["mean_accepted"], "tokens_per_s": s["tokens_per_s"],
         "speedup_vs_target_greedy": s["speedup_vs_target_greedy"],
         "tokens_equal_target_greedy": r["same_tokens"], "ranks_agree": s["ranks_agree"],
         "torch": torch.__version__, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "command": getattr(args, "command_line", ""), "text": text,
+        "command": getattr(args, "command_line", ""), "text": run.text,
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

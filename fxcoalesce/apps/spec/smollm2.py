@@ -135,8 +135,8 @@ def _require(module: str):
     try:
         return __import__(module)
     except ImportError:
-        raise WeightsError(f"{NAME} needs the {module!r} package: pip install "
-                           "'fxcoalesce[smollm2]' (gguf, tokenizers, safetensors)") from None
+        raise WeightsError(f"{NAME} needs the {module!r} package, a dependency of fxcoalesce "
+                           "(gguf, tokenizers, safetensors): pip install -e . again") from None
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -134,6 +135,8 @@ def spec_worker(rank: int, world: int, opt: SpecOptions) -> dict:
               "warmup_s": time.perf_counter() - t0,
               "graphs": {k: len(v) for k, v in reports.items()},
               "all_reduce": {k: v[0].all_reduce for k, v in reports.items() if v},
+              "verdict": {k: v[0].verdict for k, v in reports.items() if v},
+              "pass_ms": {k: v[0].pass_cost_ms() for k, v in reports.items() if v},
               "head": head_config.get("training", {}),
               "tree": {"top_k": opt.top_k, "depth": opt.depth, "total_tokens": opt.total_tokens},
               "settings": {k: v for k, v in asdict(opt).items() if k not in ("prompts", "gguf")},
@@ -145,7 +148,8 @@ def spec_worker(rank: int, world: int, opt: SpecOptions) -> dict:
         if rank == 0:
             print(f"  prompt {i + 1}/{len(opt.prompts)}: greedy {r['greedy_tokens']} tokens in "
                   f"{r['greedy_s']:.3f} s, speculative {r['spec_tokens']} in {r['spec_s']:.3f} s "
-                  f"({len(r['accepted'])} steps), same tokens: {r['same_tokens']}", flush=True)
+                  f"({len(r['accepted'])} steps), same tokens: {r['same_tokens']}",
+                  file=sys.stderr, flush=True)  # progress: the figures come after
             if opt.progress:
                 Path(opt.progress).write_text(json.dumps(summarize(record, [record]), indent=1))
     record["graphs"] = {k: len(v) for k, v in reports.items()}  # a recompile would show here
@@ -171,6 +175,7 @@ def summarize(rank0: dict, ranks: list[dict]) -> dict:
         "ranks_agree": all([x["tokens"] for x in r["results"]] == [x["tokens"] for x in res]
                            for r in ranks),
         "all_reduce_per_call": rank0["all_reduce"], "graphs_compiled": rank0["graphs"],
+        "verdict": rank0.get("verdict", {}), "pass_ms": rank0.get("pass_ms", {}),
         "warmup_s": round(rank0["warmup_s"], 1),
         "settings": rank0["settings"], "head_training": rank0["head"],
         "per_prompt": [{"prompt_tokens": r["prompt_tokens"], "greedy_tokens": r["greedy_tokens"],

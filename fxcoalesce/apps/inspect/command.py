@@ -1,0 +1,217 @@
+"""``fxcoalesce inspect``: build the step at its door (zoo, factory, Hugging Face), trace it,
+and print the report the backend wrote for it, with each profile's predicted communication."""
+
+from __future__ import annotations
+
+import sys
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+from fxcoalesce.config import Config, CostModel
+from fxcoalesce.report import merge_line
+
+from fxcoalesce.apps.inspect.built import first_line
+from fxcoalesce.apps.inspect.profiles import predictions, read_as_is
+from fxcoalesce.apps.trace import Traced
+
+MERGE_LINES = 8
+"""Merge lines inspect prints before "... N more" (report.json has them all)."""
+
+
+def door(args) -> str:
+    """"hf", "factory" or "zoo": which front door ``args`` name."""
+    if args.hf:
+        return "hf"
+    return "factory" if ":" in args.model else "zoo"
+
+
+def _table(rows: list[tuple[str, object]]) -> str:
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+
+def config_of(args) -> Config:
+    """The backend's config for the trace: the user's profile (``--profile``, else
+    ``FXCOALESCE_PROFILE``) chooses the rewrite when given."""
+    cost = CostModel.from_profile(args.profile) if args.profile else CostModel()
+    return Config(bucket_cap_mb=args.bucket_cap_mb, cost=cost)
+
+
+def trace(args, say: Callable[[str], None]) -> tuple[Traced, str]:
+    """The traced step and its one-line description, from the door ``args`` name."""
+    from fxcoalesce.apps.trace import trace_model
+
+    cfg = config_of(args)
+    kind = door(args)
+    if kind == "zoo":
+        t = trace_model(args.model, tp=args.tp, tokens=args.tokens, step=args.step,
+                        hand_merged=args.hand_merged, config=cfg, layers=args.layers, say=say)
+        return t, (f"{args.model}{' (hand-merged)' if args.hand_merged else ''}  "
+                   f"step={args.step}  TP={args.tp}  tokens={args.tokens}")
+    from fxcoalesce.apps.launch import init_fake_group
+    from fxcoalesce.apps.trace import trace_step
+
+    t0 = time.perf_counter()
+    group = init_fake_group(args.tp)
+    if kind == "hf":
+        from fxcoalesce.apps.inspect.hf import build_hf
+
+        say(f"building {args.hf} under fake tensors, sharded over {args.tp} fake ranks ...")
+        built = build_hf(args.hf_config, args.tp, args.tokens, source=args.hf_source)
+    else:
+        from fxcoalesce.apps.inspect.factory import build_factory
+
+        say(f"calling {args.model} on the meta device, sharding it over {args.tp} fake "
+            "ranks ...")
+        built = build_factory(args.model, args.tp, group)
+    say(f"  built in {time.perf_counter() - t0:.1f} s ({built.parameters / 1e9:.2f}B "
+        "parameters, no weights); tracing its step: Dynamo, AOTAutograd and the pipeline ...")
+    try:
+        with warnings.catch_warnings():
+            # transformers' MoE checks the torch version through an lru_cache: dynamo's note
+            # about it (once per call site) is about their code, and not the user's to act on
+            warnings.filterwarnings("ignore", message="Dynamo detected a call to a "
+                                    "`functools.lru_cache`-wrapped function")
+            before, after, report = trace_step(built.fn, built.args, built.mode, config=cfg)
+    except Exception as e:
+        if args.verbose:
+            traceback.print_exc()
+        hint = "" if args.verbose else " (fxcoalesce -v inspect ... shows its traceback)"
+        raise ValueError(f"{args.hf or args.model}: tracing its step failed: "
+                         f"{first_line(e)}{hint}") from None
+    seconds = time.perf_counter() - t0
+    say(f"  traced in {seconds:.1f} s")
+    return Traced(before, after, report, seconds), f"{built.what}  TP={args.tp}"
+
+
+def _no_all_reduce(args, t: Traced) -> None:
+    """A step without any all_reduce has nothing for fxcoalesce: one line, not a table."""
+    r = t.report
+    if r.all_reduce["before"]:
+        return
+    other = ", ".join(f"{k} {v}" for k, v in r.other_collectives.items())
+    why = ("at TP 1 nothing is sharded (give --tp N)" if args.tp == 1 else
+           "its sharding sums nothing over the ranks"
+           + (f" (it issues {other})" if other else ""))
+    raise ValueError(f"{args.hf or args.model}: its step issues no all_reduce, so fxcoalesce "
+                     f"has nothing to merge: {why}")
+
+
+def run_inspect(args, say: Callable[[str], None]) -> int:
+    from fxcoalesce.pipeline import graph_text
+
+    # DOT without --out goes to stdout, so that it pipes into `dot`; the table goes aside
+    out = sys.stderr if args.format == "dot" and not args.out else sys.stdout
+    sys.stdout.flush()  # what --trace printed comes first, also when both go to one pipe
+    t, title = trace(args, say)
+    _no_all_reduce(args, t)
+    r = t.report
+    a = r.all_reduce
+    rows = predictions(t.before, t.after, args.tp, profile=args.profile)
+    print(title, file=out)
+    print(_table([
+        ("all_reduce launches", f"{a['before']} -> {a['after']}  (lower bound {a['lower_bound']})"),
+        ("all_reduce bytes", f"{a['bytes_before']} -> {a['bytes_after']}"),
+        ("buckets", len(r.buckets)),
+        ("other collectives", r.other_collectives or "none"),
+        ("graph nodes", f"{r.nodes['before']} -> {r.nodes['after']}"),
+        ("pipeline time", f"{r.total_ms:.1f} ms in all (analysis {r.analysis_ms:.1f} ms, "
+                          + ", ".join(f"{p['name']} {p['ms']:.1f} ms" for p in r.passes)
+                          + ")"),
+        ("trace time", f"{t.seconds:.1f} s"),
+        ("verdict", r.verdict),
+    ]), file=out)
+    lines = [merge_line(b) for b in r.buckets]
+    if lines:
+        print("  what it merged (module paths, FX names in brackets):", file=out)
+        shown = lines if len(lines) <= MERGE_LINES else lines[:MERGE_LINES - 1]
+        for line in shown:
+            print(f"    {line}", file=out)
+        if len(shown) < len(lines):
+            print(f"    ... {len(lines) - len(shown)} more (--out DIR: report.json)", file=out)
+    print_predictions(rows, args.tp, out)
+    for w in r.warnings:
+        print(f"  warning: {w}", file=out)
+    if args.out:
+        directory = Path(args.out)
+        directory.mkdir(parents=True, exist_ok=True)
+        extra = {"model": args.hf or args.model, "door": door(args), "title": title,
+                 "world_size": args.tp, "tokens": args.tokens, "step": args.step,
+                 "hand_merged": args.hand_merged, "layers": args.layers,
+                 "trace_s": round(t.seconds, 2),
+                 "predicted_per_profile": [p.to_dict() for p in rows]}
+        (directory / "report.json").write_text(r.to_json(**extra) + "\n")  # a last line
+        (directory / "before.txt").write_text(graph_text(t.before, r.modules))
+        (directory / "after.txt").write_text(graph_text(t.after, r.modules))
+        print(f"wrote {directory}/report.json, before.txt, after.txt")
+    draw_model(args, t, title)
+    return 0
+
+
+def print_predictions(rows, tp: int, out) -> None:
+    """Each profile's predicted communication per step, then where each was measured."""
+    far = read_as_is(rows, tp)
+    width = max(len(p.name) for p in rows)
+    print(f"  predicted all_reduce time per step at TP {tp}, before -> after (exposed: what "
+          "compute issued before each wait does not hide):", file=out)
+    for p in rows:
+        mark = " *" if far and p.world_size not in (None, tp) else ""
+        chose = "  (the rewrite was chosen with it)" if p.chose else ""
+        print(f"    {p.name:<{width}}  {p.figures()}{mark}{chose}", file=out)
+    print("  where each profile comes from:", file=out)
+    for p in rows:
+        print(f"    {p.name}: {p.label}", file=out)
+    if far:
+        print(f"  * {far}", file=out)
+
+
+def draw_model(args, t: Traced, title: str) -> None:
+    """The pictures ``--format dot|svg|png`` and ``--timeline`` ask for."""
+    from fxcoalesce.viz.dag import find_collective_dag
+    from fxcoalesce.viz.picture import collective_picture, to_dot
+
+    if args.format != "txt":
+        before = find_collective_dag(t.before)
+        panels = collective_picture(before, find_collective_dag(t.after, origins=before),
+                                    collapse=args.collapse,
+                                    bound=t.report.all_reduce["lower_bound"])
+        dot = to_dot(panels, title)
+        if not args.out:
+            print(dot, end="")
+        else:
+            (Path(args.out) / "collectives.dot").write_text(dot)
+            print(f"wrote {args.out}/collectives.dot")
+            if args.format in ("svg", "png"):
+                from fxcoalesce.viz.draw import render_picture
+
+                path = Path(args.out) / f"collectives.{args.format}"
+                engine = render_picture(panels, path, args.format, title=title)
+                print(f"wrote {path} (drawn by {engine})")
+    if args.timeline:
+        from fxcoalesce.viz.draw import draw_timelines
+        from fxcoalesce.viz.timeline import predict_timeline
+
+        pred = t.report.predicted_comm_us  # the timeline uses the report's cost model
+        cost = (Config().cost if pred["model"] == "default"
+                else CostModel.from_profile(pred["model"]))
+        world = pred["world_size_assumed"]
+        timelines = [predict_timeline(gm, cost, world, f"{name}, predicted")
+                     for name, gm in (("before", t.before), ("after", t.after))]
+        draw_timelines(timelines, Path(args.out) / "timeline.png", unit="µs (predicted)")
+        for tl in timelines:
+            print(f"  {tl.summary()}")
+        print(f"  predicted: {timelines[0].assumes}")
+        print(f"wrote {args.out}/timeline.png")
+
+
+def draw_trace(args) -> None:
+    from fxcoalesce.viz.draw import draw_timelines, read_chrome_trace
+
+    timeline = read_chrome_trace(args.trace)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    draw_timelines([timeline], Path(args.out) / "trace_timeline.png", unit="µs (profiler)")
+    print(f"  {timeline.summary()}")
+    print(f"wrote {args.out}/trace_timeline.png")

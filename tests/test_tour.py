@@ -1,0 +1,103 @@
+"""``fxcoalesce demo`` (the README's first command): every line it prints comes from a
+measurement or a report, and the README shows its lines.
+
+The unit tests render the demo's lines from made-up records (cheap); the slow one runs the
+demo itself, as ``.ci/run`` does from a base install, and checks its figures against the
+models' shapes and the README's block."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fxcoalesce.apps import tour
+from fxcoalesce.apps.spec.demo import SmolRun, smollm2_lines
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def bench_record(plain_ms=(8.0, 4.0, 16.0), ours_ms=(5.0, 3.0, 6.0)) -> dict:
+    def variant(ms, launches, nbytes, **extra):
+        return {"median_ms": ms[0], "p10_ms": ms[1], "p90_ms": ms[2],
+                "all_reduce_launches": launches, "bytes": nbytes, "max_abs_err": 1e-7, **extra}
+    return {"tokens": 3, "tp": 2, "backend": "gloo", "device": "cpu", "steps": 500, "warmup": 10,
+            "variants": {"inductor": variant(plain_ms, 9, 6912), "fxcoalesce": variant(
+                ours_ms, 5, 3840, report_all_reduce=[{"lower_bound": 5}],
+                report_pass_ms=[{"pipeline": 30.0, "ladder": 1.5, "exchange": 4.0,
+                                 "total": 35.5}])}}
+
+
+def smol_run() -> SmolRun:
+    summary = {"all_reduce_per_call": {"spec": {"before": 61, "after": 61, "lower_bound": 61}},
+               "verdict": {"spec": "already at its bound: the all_reduces form dependency "
+                                   "chains, and no exact rewrite can merge links of a chain"},
+               "pass_ms": {"spec": {"pipeline": 800.0, "ladder": 0.0, "exchange": 600.0,
+                                    "total": 1400.0}},
+               "mean_accepted": 2.28, "tokens_per_s": {"speculative": 3.5, "target_greedy": 6.3},
+               "speedup_vs_target_greedy": 0.55, "ranks_agree": True}
+    return SmolRun(summary, {"spec_tokens": 64, "same_tokens": True}, "text", False, None)
+
+
+def test_merge_lines_come_from_the_record():
+    lines = tour.merge_lines(bench_record())
+    text = "\n".join(lines)
+    assert "9 plain torch.compile -> 5 fxcoalesce (counted at run time; lower bound 5)" in text
+    assert "all_reduce bytes per step        : 6912 -> 3840" in text
+    assert ("8.00 ms (4.00-16.00) plain torch.compile, 5.00 ms (3.00-6.00) fxcoalesce: 1.60x, "
+            "the ranges overlap: within noise") in text  # 3-6 ms overlaps 4-16 ms
+    assert "35.5 ms (pipeline 30.0 ms, agreeing 5.5 ms) for its 1 graph" in text
+    apart = "\n".join(tour.merge_lines(bench_record(ours_ms=(2.0, 1.5, 3.0))))
+    assert "the ranges do not overlap" in apart and "within noise" not in apart
+    assert " s plain" not in text  # no compile totals: they follow the load
+
+
+def test_smollm2_lines_carry_the_reports_verdict():
+    lines = smollm2_lines(smol_run(), tp=2)
+    assert lines[0] == ("all_reduce per speculative step  : 61 -> 61 (lower bound 61); the "
+                        "report: already at its bound: the all_reduces form dependency chains, "
+                        "and no exact rewrite can merge links of a chain")
+    assert "fxcoalesce inside the compile    : 1400.0 ms (pipeline 800.0 ms, agreeing 600.0 ms)" \
+        " for the speculative step's graph" in lines
+    assert not any("all_reduce" in ln for ln in smollm2_lines(smol_run(), tp=1))
+
+
+def readme_demo_block() -> list[str]:
+    text = (ROOT / "README.md").read_text().split("<!-- demo output", 1)[1]
+    return text.split("```\n", 2)[1].splitlines()
+
+
+def labels(lines: list[str]) -> list[str]:
+    """The aligned labels (``  label   : value``) of the demo's figure lines, in order."""
+    return [m.group(1).strip() for ln in lines if (m := re.match(r"  (\S[^:]{20,}?) +: ", ln))]
+
+
+def test_readme_shows_the_demos_lines():
+    """The README's block has every label the demo prints, in the demo's order."""
+    printed = tour.merge_lines(bench_record()) + [f"  {ln}" for ln in smollm2_lines(smol_run(), 2)]
+    want = labels(printed)
+    shown = labels(readme_demo_block())
+    assert [s for s in shown if s in want] == want, shown
+    assert readme_demo_block()[0].startswith("1/2 merging all_reduces: neox-tiny, ")
+
+
+@pytest.mark.slow
+def test_demo_as_ci_runs_it():
+    """The whole demo: the merge model's launches from its shape (one all_reduce for the
+    embedding, two per parallel block summed into one), SmolLM2's tokens equal greedy, and
+    the README's block has the same lines."""
+    from fxcoalesce import models
+
+    layers = models.args_of(tour.MERGE_MODEL).n_layers
+    proc = subprocess.run([sys.executable, "-m", "fxcoalesce.apps.cli", "demo"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert (f"{1 + 2 * layers} plain torch.compile -> {1 + layers} fxcoalesce (counted at run "
+            f"time; lower bound {1 + layers})") in out
+    assert "tokens equal target greedy       : True" in out
+    assert "ranks agree                      : True" in out
+    assert "the report: already at its bound" in out
+    assert "Warning" not in proc.stderr and "leaked" not in proc.stderr, proc.stderr
+    assert labels(out.splitlines()) == labels(readme_demo_block())
