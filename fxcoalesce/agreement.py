@@ -131,14 +131,29 @@ def must_compare(program: Sequence, all_reduces: int, cfg: Config, check_ranks: 
 
 
 def timeout_s(cfg: Config) -> float:
-    import os
-
+    """``cfg.agree_timeout_s``, else ``FXCOALESCE_AGREE_TIMEOUT``, else 120 s; an
+    environment value that is no number of seconds >= 0 is an error (:func:`env_timeout`)."""
     if cfg.agree_timeout_s is not None:
         return float(cfg.agree_timeout_s)
-    try:
-        return float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
-    except ValueError:
+    return env_timeout()
+
+
+def env_timeout() -> float:
+    import math
+    import os
+
+    raw = os.environ.get(TIMEOUT_ENV)
+    if raw is None or not raw.strip():
         return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds >= 0 (e.g. "
+                         f"{TIMEOUT_ENV}=60); unset it for the default, "
+                         f"{DEFAULT_TIMEOUT_S:g} s")
+    return value
 
 
 # --- a rank-invariant form of a collective sequence ---

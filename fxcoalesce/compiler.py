@@ -63,10 +63,33 @@ def inductor_patches(mode: str | None, options: dict | None, codegen: str) -> di
 
 
 def _with_env_dump(cfg: Config) -> Config:
-    """``cfg`` with ``dump_dir`` from ``FXCOALESCE_DUMP`` when it sets none itself."""
+    """``cfg`` with ``dump_dir`` from ``FXCOALESCE_DUMP`` when it sets none itself; a dump
+    directory that names an existing file is an error here, not in the middle of a compile."""
     if cfg.dump_dir is None and os.environ.get(DUMP_ENV):
-        return replace(cfg, dump_dir=os.environ[DUMP_ENV])
+        cfg = replace(cfg, dump_dir=os.environ[DUMP_ENV])
+        where = f"{DUMP_ENV}={os.environ[DUMP_ENV]!r}"
+    else:
+        where = f"Config(dump_dir={cfg.dump_dir!r})"
+    if cfg.dump_dir is not None and os.path.exists(cfg.dump_dir) and not os.path.isdir(
+            cfg.dump_dir):
+        raise ValueError(f"{where} names a file, not a directory: give a directory to dump "
+                         "the graphs into (it is made if missing)")
     return cfg
+
+
+def _checked(config, entry: str = "backend") -> Config:
+    """``config`` if it is a :class:`Config` (or None), else the one-line error naming the
+    fix; also checks the environment the backend reads at compile time."""
+    from .agreement import env_timeout
+
+    if config is not None and not isinstance(config, Config):
+        kind = type(config).__name__
+        args = (", ".join(f"{k}={v!r}" for k, v in config.items())
+                if isinstance(config, dict) else "...")
+        raise TypeError(f"fxcoalesce.{entry}() takes a fxcoalesce.Config, not a {kind}: "
+                        f"write fxcoalesce.{entry}(fxcoalesce.Config({args}))")
+    env_timeout()  # FXCOALESCE_AGREE_TIMEOUT: a bad value is an error now, not ignored
+    return config or Config()
 
 
 def backend(config: Config | None = None, *, on_graph: Callable | None = None,
@@ -97,7 +120,7 @@ def backend(config: Config | None = None, *, on_graph: Callable | None = None,
     from .exchange import announce
 
     announce()  # where this rank runs: peers see at once if it dies before compiling
-    cfg = _with_env_dump(config or Config())
+    cfg = _with_env_dump(_checked(config))
     check_config(cfg)
     if config is None or config.cost == Config().cost:
         cfg = _with_env_profile(cfg)
@@ -196,4 +219,4 @@ def _real_peers() -> bool:
 def inductor_pass(config: Config | None = None) -> FxCoalescePass:
     """The fxcoalesce pipeline as an Inductor ``CustomGraphPass`` (``FXCOALESCE_DUMP`` as for
     :func:`backend`; a graph served from Inductor's cache skips the pass and is not dumped)."""
-    return FxCoalescePass(_with_env_dump(config or Config()))
+    return FxCoalescePass(_with_env_dump(_checked(config, "inductor_pass")))

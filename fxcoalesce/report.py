@@ -189,8 +189,9 @@ def verdict(before: Analysis, after: Analysis) -> str:
 REMEDIES = {
     "cut differently": "keep graph breaks alike on every rank: a print or a log call on one "
                        "rank cuts that rank's graph (torch._dynamo.config."
-                       "reorderable_logging_functions.add(print) keeps it whole), or log "
-                       "outside the compiled function",
+                       "reorderable_logging_functions.add(print) keeps it whole, for a print "
+                       "without keyword arguments such as flush=True: torch 2.15 cuts at "
+                       "those), or log outside the compiled function",
     "timed out": "if the peers are only slow to compile this graph, raise "
                  "Config.agree_timeout_s (FXCOALESCE_AGREE_TIMEOUT); if they never compile "
                  "it, they cut the program elsewhere: keep graph breaks alike on every rank",
@@ -198,7 +199,7 @@ REMEDIES = {
     "guards differ": "read that value on every rank, or move the rank-dependent part "
                      "(logging on rank 0) out of the compiled function; "
                      "torch._dynamo.config.reorderable_logging_functions.add(print) keeps a "
-                     "print from cutting the graph",
+                     "print without keyword arguments from cutting the graph",
     "program differs": "the program itself issues different collectives on different ranks",
     "fell back": "the ranks' rewrites differ (compute that differs by rank); "
                  "report.agreement lists the differences",
@@ -315,7 +316,7 @@ class ReportList(list):
     """A list of reports that says why it is empty when indexed."""
 
     def __getitem__(self, i):
-        if not self:
+        if not self and not isinstance(i, slice):  # a slice of none is [], as for a list
             raise IndexError(
                 "no fxcoalesce report recorded in this process: nothing was compiled through "
                 "fxcoalesce yet (torch.compile is lazy: call the compiled function first), or "

@@ -374,9 +374,11 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--no-cudagraphs", action="store_true",
                    help="CUDA: time an eager loop instead of a captured CUDA graph")
     c.add_argument("--impls",
-                   help="NCCL on CUDA: the implementations to measure beside NCCL, e.g. "
-                        "one_shot,two_shot (default: all of one_shot, two_shot, "
-                        "fused_add_rms_norm; none on gloo)")
+                   help="NCCL on CUDA: the implementations to measure beside NCCL, any of "
+                        f"{', '.join(checks.CALIBRATE_IMPLS[1:])} (default: "
+                        "one_shot,two_shot,fused_add_rms_norm; none on gloo; nccl_symm, "
+                        "NCCL's own symmetric kernels, only in a run of its own: it sets a "
+                        "process-wide symmetric-memory backend)")
     c.add_argument("--out", required=True, help="profile JSON to write")
     c.set_defaults(fn=cmd_calibrate, check=checks.check_calibrate)
     # argparse takes "-5M" for an option unless it looks like a number: let the check say why
