@@ -187,8 +187,10 @@ def linearity_pass(gm: GraphModule, *, cfg: Config) -> PassResult:
         for group in groups:
             start = len(emit.new)
             # each partial through its own layout ops: they line up as the waits' values do
-            partial = combination(emit, [(replay(emit, b.input, chain), leaves[chain.end])
-                                         for b, chain in group])
+            # inputs as they are now (``b.input`` is the analysis's: an earlier root's sum,
+            # replaced in this loop, may be one: a chain of sums of sums)
+            partial = combination(emit, [(replay(emit, b.collective.args[0], chain),
+                                          leaves[chain.end]) for b, chain in group])
             blocks = [b for b, _ in group]
             key = blocks[0].key
             fused = emit(ALL_REDUCE, partial, key.op, blocks[0].group)
@@ -198,7 +200,8 @@ def linearity_pass(gm: GraphModule, *, cfg: Config) -> PassResult:
                 origin(b.collective) if leaves[chain.end] == 1 else
                 f"{leaves[chain.end]!r}*{origin(b.collective)}" for b, chain in group))
             # issued as soon as its last partial is ready; waited for where the root was
-            place(priority, emit.new[start:], after=max(priority[b.input] for b in blocks))
+            place(priority, emit.new[start:],
+                  after=max(priority[b.collective.args[0]] for b in blocks))
             reduced.append(emit(WAIT, fused))
             issue_keys[fused] = float(min(b.ordinal for b in blocks))
             result.buckets.append(Bucket(

@@ -241,3 +241,21 @@ def test_slice_left_alone_when_the_view_is_read_twice():
     w = view(b, b.all_reduce(b.add(x, x)), (2, 8, 16))
     out, report = rewrite(b.build(b.call(aten.select.int, w, 1, -1), w), SLICE)
     assert report.buckets == [] and tuple(all_reduces(out)[0].meta["val"].shape) == (16, 16)
+
+
+def test_a_chain_of_sums_of_sums_is_summed_link_by_link():
+    """Found by the life-of-a-job property test (issue 25): s1 = AR(x0) + AR(x1), then
+    s2 = AR(s1) + AR(x1). Summing s1 replaced the node AR(s1) reads; the second sum read it
+    from the analysis made before (an erased node: KeyError) instead of the graph."""
+    from graphs import GraphBuilder
+
+    from fxcoalesce import Config, run_pipeline
+
+    b = GraphBuilder()
+    x0, x1 = b.input("x0", (2, 2), torch.float64), b.input("x1", (2, 2), torch.float64)
+    s1 = b.add(b.all_reduce(x0), b.all_reduce(x1))
+    gm = b.build(b.add(b.all_reduce(s1), b.all_reduce(x1)))
+    out, report = run_pipeline(gm, Config(strict=True, passes=("linearity",)))
+    out.graph.lint()
+    assert (report.all_reduce["before"], report.all_reduce["after"]) == (4, 2)
+    assert [b["kind"] for b in report.buckets] == ["sum", "sum"]
