@@ -28,6 +28,7 @@ import hashlib
 from .config import CommProfile, CostModel, ImplCurve, Segment
 
 _active = 0
+_simulated: dict[str, tuple[int, ...]] = {}
 
 
 def reference_lowering_active() -> bool:
@@ -48,6 +49,28 @@ def reference_lowering():
             yield
         finally:
             _active -= 1
+
+
+@contextlib.contextmanager
+def simulated_groups(groups: dict[str, tuple[int, ...]]):
+    """Hand-built graphs name groups no process group here has ("0", "1"): inside, a group
+    name in ``groups`` counts as a group of those ranks where the passes ask whether a graph
+    has peers and which groups' ranks contain which (``passes.tag``: a graph's first
+    all_reduce of a group stays out of buckets, as it does on real ranks). Simulated
+    multi-rank tests (``tests/test_property_ranks.py``) compile their ranks' graphs inside
+    it; nothing else reads it."""
+    saved = dict(_simulated)
+    _simulated.update({name: tuple(ranks) for name, ranks in groups.items()})
+    try:
+        yield
+    finally:
+        _simulated.clear()
+        _simulated.update(saved)
+
+
+def simulated_group_members(name: str | None) -> tuple[int, ...] | None:
+    """The ranks :func:`simulated_groups` gives group ``name`` (None outside, or not named)."""
+    return _simulated.get(name) if name is not None else None
 
 
 def reference_cost(world_size: int = 2, backend: str = "gloo", *, nccl_us: float = 20.0,

@@ -17,22 +17,32 @@ Which all_reduces carry a tag (:func:`plan`), for every graph whose ranks agree 
 
 - a graph that issues the program's own sequence: every tagged-kind all_reduce, tag
   :data:`PROGRAM_TAG`;
-- a rewritten graph: its first all_reduce, tag ``rewrite_tag(key, digest)`` (a power of two
-  other than the program's), whose check must pass before the graph issues anything else.
-  Its first all_reduce must look like the program's first one at that place (same kind,
-  dtype, op and element count, and the same collectives before it: :func:`compatible`);
-  a step where it does not issues the program's own sequence instead.
+- a rewritten graph: in each of its groups, its first all_reduce there, tag
+  ``rewrite_tag(key, digest)`` (a power of two other than the program's), whose check must
+  pass before the graph issues anything more (the next collective reads it), except in a
+  group whose collectives all come after such a check in a group holding all its ranks
+  (:func:`checked_firsts`). That all_reduce must look like the program's first one of the
+  group at that place (same kind, dtype, op and element count, and the same collectives of
+  the group before it: :func:`compatible`); a step where it does not issues the program's
+  own sequence instead.
 
 Why that is enough (assuming, as ``agreement`` does, that the program issues the same
 collectives on every rank): take the first point of a group's stream where two ranks issue
 different collectives, tags included. Two graphs of the program's own order issue the same
-collectives there, and two ranks that issued the same rewrite tag before it run the same
-rewritten graph; so one rank starts a rewritten graph there, and the other issues, at that
+collectives there, and two ranks that issued the same rewrite tag in that group before it
+run the same rewritten graph, which issues the same collectives in the group on both; so
+one rank starts the group's part of a rewritten graph there, and the other issues, at that
 point of the program, either the program's own collective (tagged: the same element count,
-by :func:`compatible`) or the first all_reduce of another rewritten graph (also tagged, also
-that count). The sizes match, so the transport pairs them, and both tags differ: every rank
-of the pair fails its check at that collective, and the rewritten side issues nothing more
-(its second collective reads the check). No wrong value reaches the user on any rank.
+by :func:`compatible`) or the first all_reduce of another rewritten graph in that group
+(also tagged, also that count). The sizes match, so the transport pairs them, and both tags
+differ: every rank of the pair fails its check at that collective, and the rewritten side
+issues nothing more (its next collective reads the check). In a group whose collectives
+all follow the check of a group holding its ranks, every rank of the group passed that
+check, so all of them run this rewritten graph, which issues the same collectives there.
+No wrong value reaches the user on any rank. (Per group, not per graph: a graph over a TP
+group and the world group whose first tag, in the TP group, paired with a peer running the
+same rewrite can still meet, in the world group, a rank that re-cut alone: the
+life-of-the-job property test found it, seed 1072165311.)
 
 Tag values are powers of two whose exponents are multiples of ``c = ceil(log2 W) + 1`` (the
 program's own is 2**0): W of them sum to W times one of them only if all are that one (as
@@ -59,8 +69,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 import fxcoalesce.kernels  # noqa: F401  (registers fxcoalesce::tag_after)
-from fxcoalesce.collectives import (ALL_REDUCE, describe, group_setup,
-                                    is_collective, op_of)
+from fxcoalesce.collectives import ALL_REDUCE, describe, group_of, is_collective, op_of
 from fxcoalesce.graph_order import reorder
 from fxcoalesce.meta import fake_mode_of, tensor_val
 
@@ -136,29 +145,80 @@ def _sent(op: str, tag: float) -> list[float]:
     return [tag, -tag] if SLOTS[op] == 2 else [tag]
 
 
-def first_tagged(gm: GraphModule) -> Node | None:
-    """The graph's first all_reduce that carries a tag (by kind, op and dtype)."""
-    return next((n for n in gm.graph.nodes if is_collective(n) and op_of(n) is ALL_REDUCE
-                 and _taggable_kind(n)), None)
+def checked_firsts(collectives: list[Node]) -> dict[str | None, Node]:
+    """The all_reduces that open a rewritten graph's checks, from its collectives in issue
+    order: per group, its first all_reduce that carries a tag (by kind, op and dtype),
+    unless every collective of the group comes after such a first all_reduce of a group
+    holding all its ranks (that check already stops the graph on each of them before it
+    issues anything in the group: a TP group inside the world group, or two groups of the
+    same ranks)."""
+    return _checks(collectives)[0]
+
+
+def _checks(collectives: list[Node]) -> tuple[dict[str | None, Node], set[str | None]]:
+    """:func:`checked_firsts`, and the groups it covers."""
+    firsts: dict[str | None, Node] = {}
+    covered: set[str | None] = set()
+    seen: set[str | None] = set()
+    for n in collectives:
+        group = group_of(n)
+        if group not in seen:
+            seen.add(group)
+            ranks = group_members(group)
+            if ranks is not None and any(
+                    ranks <= (group_members(g) or frozenset()) for g in firsts):
+                covered.add(group)
+        if (group not in covered and group not in firsts and op_of(n) is ALL_REDUCE
+                and _taggable_kind(n)):
+            firsts[group] = n
+    return firsts, covered
+
+
+def first_tagged(gm: GraphModule) -> dict[str | None, Node]:
+    """:func:`checked_firsts` of ``gm``'s collectives."""
+    return checked_firsts([n for n in gm.graph.nodes if is_collective(n)])
 
 
 def pinned(scan, cfg) -> set:
-    """With run-time checks, the comm blocks of the graph's all_reduces up to and including
-    its first tagged one: they keep their kind, op, dtype and element count through every
-    pass (a sum keeps them; a bucket, a slice or a lowering does not), so a rewritten
-    graph's first tag pairs with the program's first tag at that place, behind the same
-    collectives (:func:`compatible`). None on one rank, or where the group is unknown (a
-    hand-built graph): no peer, no tag."""
-    if not cfg.run_checks or (group_setup(scan)[0] or 1) < 2:  # no peers to pair with
+    """With run-time checks, the comm blocks of the graph's collectives up to and including
+    each :func:`checked_firsts` all_reduce, in its group, and every block of a group that
+    has none (no tag can guard a rewrite there, say a group of in-place all_reduces: it
+    keeps the program's own collectives). They keep their kind, op, dtype and element count
+    through every pass (a sum keeps them; a bucket, a slice or a lowering does not), so a
+    rewritten graph's first tag in a group pairs with the program's first tag there, behind
+    the same collectives (:func:`compatible`). None in a covered group, a group of one
+    rank, or where the group is unknown (a hand-built graph): no peer, no tag."""
+    if not cfg.run_checks:
         return set()
     blocks = {b.collective: b for b in scan.blocks}
-    out = set()
+    firsts, covered = _checks(list(scan.sequence))
+    out, done = set(), set()
     for n in scan.sequence:
+        group = group_of(n)
+        if group in covered or group in done or len(group_members(group) or ()) < 2:
+            continue
         if n in blocks:
             out.add(blocks[n])
-        if op_of(n) is ALL_REDUCE and _taggable_kind(n):
-            break
+        if n is firsts.get(group):
+            done.add(group)
     return out
+
+
+def group_members(name: str | None) -> frozenset[int] | None:
+    """The global ranks of a group: the process group's, else a simulated one's
+    (``fxcoalesce.testing.simulated_groups``); None when neither is known."""
+    import torch.distributed as dist
+
+    from fxcoalesce.testing import simulated_group_members
+
+    if name is None:
+        return None
+    try:
+        group = dist.distributed_c10d._resolve_process_group(name)
+        return frozenset(dist.get_process_group_ranks(group))
+    except Exception:  # unknown group names (hand-built graphs)
+        ranks = simulated_group_members(name)
+        return None if ranks is None else frozenset(ranks)
 
 
 def _taggable_kind(node: Node) -> bool:
@@ -167,48 +227,53 @@ def _taggable_kind(node: Node) -> bool:
 
 
 def _prefix(gm: GraphModule, first: Node) -> list[str]:
-    """The collectives before ``first``, described without their origin."""
+    """The collectives of ``first``'s group before it, described without their origin."""
     out = []
     for n in gm.graph.nodes:
         if n is first:
             return out
-        if is_collective(n):
+        if is_collective(n) and group_of(n) == group_of(first):
             out.append(describe(n).split(" <- ")[0])
     return out
 
 
 def compatible(program: GraphModule, rewritten: GraphModule) -> str | None:
-    """Why ``rewritten``'s first all_reduce could not pair, tag for tag, with the program's
-    own first all_reduce at that place (None when it can): another kind, op, dtype or
-    element count, or other collectives before it."""
+    """Why ``rewritten``'s first all_reduce in some group could not pair, tag for tag, with
+    the program's own first all_reduce of that group at that place (None when every group's
+    can): another kind, op, dtype or element count, or other collectives of the group before
+    it."""
     from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-    a, b = first_tagged(program), first_tagged(rewritten)
-    if a is None or b is None:
-        return None if a is b else "no tagged all_reduce where the program has one"
-    if _prefix(program, a) != _prefix(rewritten, b):
-        return "other collectives before the first tagged all_reduce"
-    va, vb = tensor_val(a.args[0]), tensor_val(b.args[0])
-    if (str(a.args[1]), va.dtype) != (str(b.args[1]), vb.dtype):
-        return "its first all_reduce has another op or dtype"
-    if not statically_known_true(va.numel() == vb.numel()):
-        return (f"its first all_reduce has {vb.numel()} elements where the program's has "
-                f"{va.numel()}")
+    firsts_a, firsts_b = first_tagged(program), first_tagged(rewritten)
+    for group in sorted(firsts_a.keys() | firsts_b.keys(), key=str):
+        a, b = firsts_a.get(group), firsts_b.get(group)
+        if a is None or b is None:
+            return f"no tagged all_reduce in group {group} where the program has one"
+        if _prefix(program, a) != _prefix(rewritten, b):
+            return f"other collectives of group {group} before its first tagged all_reduce"
+        va, vb = tensor_val(a.args[0]), tensor_val(b.args[0])
+        if (str(a.args[1]), va.dtype) != (str(b.args[1]), vb.dtype):
+            return f"its first all_reduce in group {group} has another op or dtype"
+        if not statically_known_true(va.numel() == vb.numel()):
+            return (f"its first all_reduce in group {group} has {vb.numel()} elements where "
+                    f"the program's has {va.numel()}")
     return None
 
 
 def plan(gm: GraphModule, *, rewritten: bool, world: Callable[[Node], int]) -> list[Node]:
     """The all_reduces of ``gm`` that carry a tag: every taggable one in a graph of the
-    program's own order; the first all_reduce of a rewritten graph (and its next collective,
-    made to read the check, when that one is a taggable all_reduce)."""
+    program's own order; in a rewritten graph, the :func:`checked_firsts` (and the
+    collective after each, made to read its check, when that one is a taggable all_reduce:
+    on the host, everything after it is issued after the check)."""
     nodes = [n for n in gm.graph.nodes if is_collective(n)]
     if not rewritten:
         return [n for n in nodes if taggable(n, world(n))]
-    first = first_tagged(gm)
-    if first is None or not taggable(first, world(first)):
-        return []
-    after = nodes[nodes.index(first) + 1:]
-    return [first] + [n for n in after[:1] if taggable(n, world(n))]
+    out = set()
+    for first in checked_firsts(nodes).values():
+        if taggable(first, world(first)):
+            after = nodes[nodes.index(first) + 1:]
+            out |= {first, *(n for n in after[:1] if taggable(n, world(n)))}
+    return sorted(out, key=nodes.index)
 
 
 def tag_pass(gm: GraphModule, *, rewritten: bool, world: Callable[[Node], int], key: str = "",
@@ -224,7 +289,7 @@ def tag_pass(gm: GraphModule, *, rewritten: bool, world: Callable[[Node], int], 
     blocks = {b.collective: b for b in analysis.scan.blocks}
     barriers = set(analysis.barriers)
     mode = fake_mode_of(gm.graph.nodes)
-    lines, ok, said = [], None, ""
+    lines, last = [], None  # the last check and its message: the next tag reads it
     for i, node in enumerate(tagged):
         block = blocks.get(node)
         if block is None:  # not an analysable all_reduce (several waits): left as it is
@@ -233,12 +298,12 @@ def tag_pass(gm: GraphModule, *, rewritten: bool, world: Callable[[Node], int], 
         dtype = tensor_val(node.args[0]).dtype
         tag = (PROGRAM_TAG if not rewritten
                else rewrite_tag(key, f"{digest}/{i}", dtype, ws, op))
-        ok = _tag_one(gm, block, op, tag, ws, mode,
-                      after_check=(ok, said) if rewritten and ok is not None else None,
-                      message=message(where, op, tag))
         said = message(where, op, tag)
+        ok = _tag_one(gm, block, op, tag, ws, mode,
+                      after_check=last if rewritten else None, message=said)
+        last = (ok, said)
         lines.append(f"{node.name}: tag {tag:g}, {op}")
-    if rewritten:  # the second collective now reads the first check: issued after it
+    if rewritten:  # each tagged collective now reads the check before it: issued after it
         reorder(gm.graph, barriers=barriers)  # side effects keep their place
     gm.graph.lint()
     gm.recompile()

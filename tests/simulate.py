@@ -74,6 +74,9 @@ class Simulation:
     """Ranks left waiting (for a rank in ``raised``) when the run ended."""
     members: list[list[int]] = field(default_factory=list)
     """The ranks each firing paired, in firing order."""
+    returned: list[list] = field(default_factory=list)
+    """Per rank, the outputs of each :class:`Job` step it returned (all of them, or those
+    before the step where it stopped)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,17 +165,18 @@ class Job:
     steps: tuple
 
 
-def run_job(job: Job, inputs: Sequence[torch.Tensor]) -> RankRun:
-    outs = []
+def run_job(job: Job, inputs: Sequence[torch.Tensor], done: list) -> RankRun:
+    """The steps in turn, each on fresh copies of ``inputs``; each step's outputs go to
+    ``done`` as it returns (so a rank that stops later keeps what it returned before)."""
     for g in job.steps:
-        outs.append((yield from _runner(g, inputs)))
-    return tuple(outs)
+        done.append((yield from _runner(g, inputs)))
+    return tuple(done)
 
 
-def _runner(g, inputs) -> RankRun:
+def _runner(g, inputs, done: list | None = None) -> RankRun:
     fresh = [t.clone() for t in inputs]
     if isinstance(g, Job):
-        return run_job(g, inputs)
+        return run_job(g, inputs, [] if done is None else done)
     return run_chain(g, fresh) if isinstance(g, Chain) else run_rank(g, fresh)
 
 
@@ -210,7 +214,9 @@ def simulate(gms: Sequence, inputs: Sequence[Sequence[torch.Tensor]],
     world = len(gms)
     every = list(range(world))
     groups = {g: sorted(m) for g, m in (groups or {}).items()}
-    ranks = [_runner(g, inp) for g, inp in zip(gms, inputs, strict=True)]
+    returned: list[list] = [[] for _ in every]  # a Job's steps, as they return
+    ranks = [_runner(g, inp, returned[r]) for r, (g, inp) in enumerate(zip(gms, inputs,
+                                                                            strict=True))]
     outputs: list = [None] * world
     issued: list[Signature] = []
     by_rank: list[list[Signature]] = [[] for _ in every]
@@ -287,7 +293,7 @@ def simulate(gms: Sequence, inputs: Sequence[Sequence[torch.Tensor]],
             heads = {r: (order[r][0].sig if order[r] else None) for r in every}
             raise CollectiveMismatch(f"collective #{len(issued)}: deadlock: "
                                      + describe(heads, waiting))
-    return Simulation(outputs, issued, by_rank, raised, sorted(live), paired)
+    return Simulation(outputs, issued, by_rank, raised, sorted(live), paired, returned)
 
 
 def assert_loud(sim: Simulation) -> None:

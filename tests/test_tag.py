@@ -216,3 +216,43 @@ def test_program_order_eagerly_tags_as_compiled_graphs_do(tmp_path):
     finally:
         dist.destroy_process_group()
         fxcoalesce.clear_reports()
+
+
+def test_bad_input_at_the_backend_is_one_clear_line(tmp_path, monkeypatch):
+    """Issue 25: each was an AttributeError mid-compile, silently ignored, a
+    NotADirectoryError mid-compile, or an IndexError."""
+    with pytest.raises(TypeError, match=r"write fxcoalesce.backend\(fxcoalesce.Config\("
+                                        r"dump_dir='d'\)\)"):
+        fxcoalesce.backend({"dump_dir": "d"})
+    with pytest.raises(TypeError, match=r"fxcoalesce.inductor_pass\(\) takes"):
+        fxcoalesce.inductor_pass({"dump_dir": "d"})
+    monkeypatch.setenv("FXCOALESCE_AGREE_TIMEOUT", "abc")
+    with pytest.raises(ValueError, match="FXCOALESCE_AGREE_TIMEOUT='abc' is not a number"):
+        fxcoalesce.backend()
+    monkeypatch.delenv("FXCOALESCE_AGREE_TIMEOUT")
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    monkeypatch.setenv("FXCOALESCE_DUMP", str(afile))
+    with pytest.raises(ValueError, match="names a file, not a directory"):
+        fxcoalesce.backend()
+    monkeypatch.delenv("FXCOALESCE_DUMP")
+    fxcoalesce.clear_reports()
+    assert fxcoalesce.reports()[3:] == []  # a slice of none, as for a list
+    with pytest.raises(IndexError, match="no fxcoalesce report"):
+        fxcoalesce.reports()[-1]
+
+
+def test_guards_on_torchs_own_settings_are_not_a_rank_difference():
+    """torch 2.15 guards on ``torch.compiler.config.compile_on_one_rank`` in a branch one rank
+    takes (tests/test_rank_order.py's rank_branch): a process-wide setting, not a value one
+    rank changes later, so the ranks did not fall back for it; a user's own values count."""
+    from fxcoalesce.exchange import TORCH_OWN
+
+    assert TORCH_OWN.search("G['torch'].compiler.config._config['compile_on_one_rank'].alias")
+    assert TORCH_OWN.search("G['__import_torch_dot_distributed_dot__functional_collectives']"
+                            ".torch.compiler.config._config['compile_on_one_rank'].default")
+    assert TORCH_OWN.search("dict(type(G['torch'].compiler.config._config['compile_on_one_"
+                            "rank']).__dict__)['hide']")
+    for user in ("L['step']", "G['FLAG']['log']", "G['torchvision_flag']", "G['torch_step']",
+                 "L['self'].G['torch_like']"):
+        assert not TORCH_OWN.search(user), user
