@@ -289,6 +289,23 @@ def family(frame: str) -> str:
     return f"{m.group(1) if m else name}@{rest.rsplit(':', 1)[0]}"
 
 
+def _inside(alone: set) -> str | None:
+    """The function of :attr:`RankEnv.alone` (a :func:`family`) that a frame on this
+    thread's Python stack runs, if any: a graph Dynamo compiles inside a call of it (a
+    function it calls, compiled as a frame of its own after a graph break) is as likely to
+    be compiled on this rank alone, so its peers are not waited for."""
+    import sys
+
+    f = sys._getframe(1)
+    while f is not None:
+        code = f.f_code
+        fam = family(f"{code.co_name}@{os.path.basename(code.co_filename)}:0")
+        if fam in alone:
+            return fam
+        f = f.f_back
+    return None
+
+
 def cut_at() -> str | None:
     """Where the graph Dynamo is compiling was cut: "file:line: code (why)" of the graph
     break that ended it; None when it ends at a return, or outside a compile."""
@@ -309,6 +326,11 @@ def cut_at() -> str | None:
 VALUE_GUARDS = ("CONSTANT_MATCH", "EQUALS_MATCH")
 """Guards on a value a later call can change (an int argument, a global flag)."""
 _COUNTED = re.compile(r"___\d+")
+TORCH_OWN = re.compile(r"\bG\['(torch'|__import_torch(_dot_|'))")
+"""Guards on torch's own modules, anywhere in a guard's source
+(``dict(type(G['torch'].compiler.config._config[...]).__dict__)['hide']``: torch 2.15
+guards on ``compile_on_one_rank`` in a branch one rank takes): process-wide settings, alike on every
+rank, not values a later call changes on one rank."""
 
 
 def guard_keys() -> list[str]:
@@ -326,7 +348,7 @@ def guard_keys() -> list[str]:
             kind = g.create_fn_name()
         except Exception:  # a guard without a builder name: not a value guard
             continue
-        if kind in VALUE_GUARDS and g.name:
+        if kind in VALUE_GUARDS and g.name and not TORCH_OWN.search(g.name):
             out.add(_COUNTED.sub("___", g.name))
     return sorted(out)
 
@@ -376,6 +398,7 @@ def agree_graph(name: str, cfg: Config, steps: list[Step], program: Sequence,
     key = d if mine.round == 1 else f"{d}.{mine.round}"
     run = _Run(name, cfg, env, key, steps, program, canon, check_ranks)
     run.cut, run.family = cut, family(frame) if frame else None
+    run.inside = _inside(env.alone) if env.alone else None
     run.proposal = ex.propose(key, {
         "groups": [[g, members[g]] for g in groups],
         "pos": {g: env.position(g) for g in groups}, "guards": guards or [],
@@ -468,6 +491,7 @@ class _Run:
         self.env, self.ex = env, env.exchange
         self.program, self.canon, self.check_ranks = program, canon, check_ranks
         self.rank, self.proposal, self.cut, self.family = self.ex.rank, {}, None, None
+        self.inside: str | None = None
 
     def _entry_of(self, entries: list[dict]) -> dict | None:
         return next((e for e in entries if self.rank in e["ranks"]), None)
@@ -489,9 +513,12 @@ class _Run:
                 if not missing:
                     entry = self._add(decide({r: proposals[r] for r in closure}, self.steps,
                                              self.check_ranks))
-                elif self.family in self.env.alone:
-                    why = (f"{self.family.split('@')[0]} recompiles on some ranks alone (its "
+                elif (alone := self.family if self.family in self.env.alone
+                       else self.inside) is not None:
+                    why = (f"{alone.split('@')[0]} recompiles on some ranks alone (its "
                            "graphs are specialized on a value its peers' are not)")
+                    if alone != self.family:
+                        why += f"; this graph ({self.family}) is compiled inside a call of it"
                     entry = self._add(self._fallback(closure, "guards differ", why))
                 elif gone := [r for r in missing if self.ex.gone(r) is not None]:
                     why = (f"rank(s) {gone} ended before compiling this graph (their "
@@ -503,7 +530,8 @@ class _Run:
                     why = (f"waited {limit:g} s ({bound}) for rank(s) {missing} to compile "
                            "this graph; they did not (they never reach it, cut the program "
                            "into other graphs, or are slow)")
-                    entry = self._add(self._fallback(closure, "timed out", why))
+                    entry = self._add(self._fallback(closure, "timed out", why,
+                                                     tags=self._compiled_here(missing)))
             if entry is not None:
                 if entry["how"] == "guards differ" and self.family:
                     self.env.alone.add(self.family)
@@ -547,17 +575,24 @@ class _Run:
         return self._entry_of(self.ex.add(self.d, entry)) or entry
 
     def _fallback(self, closure: set[int], how: str, why: str, tags: bool = True) -> dict:
-        """The program's own order for ``closure``. After a timeout, untagged: a peer that
-        never proposed this graph may run it uncompiled, and plain collectives pair only
-        with untagged ones (a peer that proposes it late reads this entry, or this rank's
-        note, and runs it untagged too)."""
+        """The program's own order for ``closure``; ``tags``: False after a timeout where a
+        peer that never proposed this graph may run it uncompiled (plain collectives pair
+        only with untagged ones; a peer that proposes it late reads this entry, or this
+        rank's note, and runs it untagged too)."""
         last = program_step(self.steps)
         entry = {"ranks": sorted(closure), "step": last, "nosymm": last, "ws": 0, "how": how,
                  "why": why, "differences": [why] if how == "program differs" else [],
-                 "tags": tags and how != "timed out"}
+                 "tags": tags}
         if how == "program differs" and self.check_ranks:
             entry["error"] = why
         return entry
+
+    def _compiled_here(self, missing: list[int]) -> bool:
+        """Does every rank in ``missing`` compile through fxcoalesce at all (notes of its own
+        in this store)? Then it most likely runs this stretch compiled, tagged, cut as it
+        may be (a function of its own, say, where this rank inlined it); a rank that never
+        compiled anything may be running the program uncompiled."""
+        return all(self.ex.notes(q) for q in missing)
 
     def _evidence(self, closure: set[int]) -> tuple[str, str, bool] | None:
         """(how, why, tags) when a peer's own graphs show it will not compile this one here:

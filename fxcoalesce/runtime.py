@@ -84,17 +84,24 @@ class Guarded:
         for g in self.graphs:
             if not g.sequences:  # not agreed on (no peers then): nothing to re-agree
                 continue
-            last = len(steps) - 1
-            offered = [seq if i in (g.step, last) else [(None, f"not compiled here: {i}")]
-                       for i, seq in enumerate(g.sequences)]
-            outcome = agree_graph(self.name, self.cfg, steps, g.program, offered,
-                                  g.workspaces, check_ranks=False, **self.origin)
+            outcome = agree_graph(self.name, self.cfg, steps, g.program,
+                                  offered(g.sequences, g.step), g.workspaces,
+                                  check_ranks=False, **self.origin)
             log.warning("fxcoalesce[%s]: the default process group was made anew since this "
                         "graph was compiled; the ranks agreed again: %s (%s)", self.name,
                         outcome.agreement.how, steps[outcome.step].label)
             if outcome.step != g.step or (outcome.tags and self.cfg.run_checks) != g.tagged:
                 program_only, tags = True, tags and outcome.tags and self.cfg.run_checks
         self.run = ProgramOrder(self.gm, self.name, tags) if program_only else self.compiled
+
+
+def offered(sequences: list, step: int) -> list:
+    """What a rank that compiled ``step`` of a graph can run without compiling again: that
+    step and the program's own order (the last); every other step's sequence is replaced by
+    one no peer can match, so the ranks agree on one of those two."""
+    last = len(sequences) - 1
+    return [seq if i in (step, last) else [(None, f"not compiled here: {i}")]
+            for i, seq in enumerate(sequences)]
 
 
 class ProgramOrder:

@@ -123,7 +123,9 @@ def test_inductor_comm_reorder_passes_by_torch_version(passes):
     passes from 2.14 on (``torch_releases.comm_reorder_options``) and keeps them off before."""
     overlap = {"reorder_for_compute_comm_overlap": True,
                "reorder_for_compute_comm_overlap_passes": passes}
-    errs = spawn(_against_eager, 2, ({}, overlap), backend="gloo")
+    # without the run-time tags: their checks add dependencies that happen to keep the
+    # writes in order on 2.13 too (measured: 4e-6), and the canary is about Inductor's passes
+    errs = spawn(_against_eager, 2, ({"run_checks": False}, overlap), backend="gloo")
     # measured: wrong on 2.13.0, right on 2.15.0 (and, by the issue's run, on 2.14.1)
     if torch_version() >= COMM_REORDER_RIGHT_FROM:
         assert max(errs) < 1e-4
