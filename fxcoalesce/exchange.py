@@ -385,8 +385,9 @@ def agree_graph(name: str, cfg: Config, steps: list[Step], program: Sequence,
         # the ranks agree again, in a new round
         step = _issuing(digests, mine.active, mine.entry.get("active_step"))
         if step is not None:
-            agreement = Agreement(compared=True, step=steps[mine.entry["step"]].label,
-                                  how="decided before", ranks=list(mine.entry["ranks"]))
+            agreement = Agreement(compared=True, step=steps[step].label,
+                                  how="decided before", why=_DECIDED,
+                                  ranks=list(mine.entry["ranks"]))
             return Outcome(step, agreement, key=d, digests=digests,
                            ws=mine.entry.get("ws", 0), nosymm=mine.entry.get("nosymm"),
                            tags=mine.entry.get("tags", True))
@@ -430,6 +431,11 @@ def agree_graph(name: str, cfg: Config, steps: list[Step], program: Sequence,
     mine.entry["active_step"] = out.step
     run.noted(texts[out.step], out.tags)
     return out
+
+
+_DECIDED = ("an earlier graph of this function with the same collectives committed this "
+            "rank to that sequence, and a later graph of the key issues it: a rank that "
+            "recompiles alone then still pairs with peers that do not")
 
 
 def _issuing(digests: list[str], active: str, preferred: int | None) -> int | None:

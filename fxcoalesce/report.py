@@ -201,6 +201,9 @@ REMEDIES = {
                      "torch._dynamo.config.reorderable_logging_functions.add(print) keeps a "
                      "print without keyword arguments from cutting the graph",
     "program differs": "the program itself issues different collectives on different ranks",
+    "decided before": "compile different models through different functions "
+                      "(torch.compile(model) for each, not one step function called with "
+                      "each model): each then has its own agreement",
     "fell back": "the ranks' rewrites differ (compute that differs by rank); "
                  "report.agreement lists the differences",
 }

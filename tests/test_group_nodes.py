@@ -31,11 +31,11 @@ pytestmark = pytest.mark.skipif(ONE_RANK_CONFIG is None,
                                 reason="compile_on_one_rank is new in torch 2.13")
 
 
-def compile_on_one_rank(fn, *args):
+def compile_on_one_rank(fn, *args, **config):
     """(outputs, eager outputs, the rewritten graph, its report) of ``fn`` compiled with the
-    group resolved at run time."""
+    group resolved at run time (``config``: more ``Config`` fields)."""
     graphs = []
-    be = fxcoalesce.backend(fxcoalesce.Config(codegen="eager", strict=True),
+    be = fxcoalesce.backend(fxcoalesce.Config(codegen="eager", strict=True, **config),
                             on_graph=lambda b, a, r: graphs.append((a, r)))
     torch._dynamo.reset()
     with ONE_RANK_CONFIG.patch(compile_on_one_rank=True):
@@ -91,7 +91,8 @@ def test_dtensor_partial_sums_compiled_on_one_rank_become_one_all_reduce():
     torch.testing.assert_close(out, want)
 
 
-def test_dimensions_of_a_mesh_are_different_groups():
+@pytest.mark.parametrize("run_checks", [False, True])
+def test_dimensions_of_a_mesh_are_different_groups(run_checks):
     mesh = mesh_of((2, 2), ("dp", "tp"))
 
     def f(x, y, z):
@@ -100,11 +101,19 @@ def test_dimensions_of_a_mesh_are_different_groups():
         return summed, funcol.all_reduce(z * 4, "sum", (mesh, 1))
 
     x, y, z = (torch.randn(4, 8) for _ in range(3))
-    out, want, _, report = compile_on_one_rank(f, x, y, z)
+    out, want, _, report = compile_on_one_rank(f, x, y, z, run_checks=run_checks)
+    torch.testing.assert_close(out, want)
+    if run_checks:
+        # tp's first all_reduce carries the run-time tag, paired element for element with
+        # the program's first all_reduce of tp: it stays out of the bucket (one launch above
+        # the bound, said in a warning and the verdict)
+        assert report.buckets == [] and report.all_reduce["after"] == 3
+        assert any("stays out of its bucket" in w for w in report.warnings)
+        assert "kept apart for the run-time check" in report.verdict
+        return
     # dp's all_reduce is not summed with tp's; tp's two independent ones share one bucket
     assert [(b["kind"], len(b["members"])) for b in report.buckets] == [("cat", 2)]
     assert (report.all_reduce["after"], report.all_reduce["left_alone"]) == (2, 0)
-    torch.testing.assert_close(out, want)
 
 
 def test_a_group_computed_otherwise_is_left_alone_saying_why():
