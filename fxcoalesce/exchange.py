@@ -234,9 +234,6 @@ class Outcome:
     """With ``check_ranks``: the difference to raise at the first call."""
     digests: list[str] = field(default_factory=list)
     """Of each step's sequence on this rank, in the rank-invariant form."""
-    tags: bool = True
-    """The graph carries run-time tags (``passes.tag``); False where a peer never proposed
-    it and may run it uncompiled (its collectives untagged): see ``_Run._fallback``."""
 
 
 @dataclass(slots=True)
@@ -389,8 +386,7 @@ def agree_graph(name: str, cfg: Config, steps: list[Step], program: Sequence,
                                   how="decided before", why=_DECIDED,
                                   ranks=list(mine.entry["ranks"]))
             return Outcome(step, agreement, key=d, digests=digests,
-                           ws=mine.entry.get("ws", 0), nosymm=mine.entry.get("nosymm"),
-                           tags=mine.entry.get("tags", True))
+                           ws=mine.entry.get("ws", 0), nosymm=mine.entry.get("nosymm"))
     committed = mine is not None and mine.rewritten
     if mine is None:
         mine = env.local[d] = _Local()
@@ -417,7 +413,7 @@ def agree_graph(name: str, cfg: Config, steps: list[Step], program: Sequence,
     agreement = run.agreement(entry, how, waited)
     out = Outcome(entry["step"], agreement, key=d, fresh=how in FRESH,
                   nosymm=entry.get("nosymm"), ws=entry.get("ws", 0), error=entry.get("error"),
-                  digests=digests, tags=entry.get("tags", True))
+                  digests=digests)
     if committed and how not in FRESH and out.error is None:
         _changed(out, cfg, name, agreement.step)  # the peers issue the old rewrite
     mine.entry, mine.active = {**entry, "active_step": entry["step"]}, entry["digest"]
@@ -429,7 +425,7 @@ def agree_graph(name: str, cfg: Config, steps: list[Step], program: Sequence,
         else:
             out.step, out.fresh = step, False
     mine.entry["active_step"] = out.step
-    run.noted(texts[out.step], out.tags)
+    run.noted(texts[out.step])
     return out
 
 
@@ -536,8 +532,7 @@ class _Run:
                     why = (f"waited {limit:g} s ({bound}) for rank(s) {missing} to compile "
                            "this graph; they did not (they never reach it, cut the program "
                            "into other graphs, or are slow)")
-                    entry = self._add(self._fallback(closure, "timed out", why,
-                                                     tags=self._compiled_here(missing)))
+                    entry = self._add(self._fallback(closure, "timed out", why))
             if entry is not None:
                 if entry["how"] == "guards differ" and self.family:
                     self.env.alone.add(self.family)
@@ -580,30 +575,23 @@ class _Run:
         entry = {**entry, "digest": _digest(seqs[entry["step"]]["seq"])}
         return self._entry_of(self.ex.add(self.d, entry)) or entry
 
-    def _fallback(self, closure: set[int], how: str, why: str, tags: bool = True) -> dict:
-        """The program's own order for ``closure``; ``tags``: False after a timeout where a
-        peer that never proposed this graph may run it uncompiled (plain collectives pair
-        only with untagged ones; a peer that proposes it late reads this entry, or this
-        rank's note, and runs it untagged too)."""
+    def _fallback(self, closure: set[int], how: str, why: str) -> dict:
+        """The program's own order for ``closure``, tagged like every graph of the program's
+        order (``passes.tag``): whatever graph a peer runs at that place, compiled through
+        fxcoalesce, its collectives there carry tags too, so the pairing is checked. (Tags
+        on or off by a guess per graph, "the peer may run it uncompiled", let two graphs of
+        the program's order pair a tagged all_reduce with an untagged one: the 10k job
+        property run, seed 1485311774.)"""
         last = program_step(self.steps)
         entry = {"ranks": sorted(closure), "step": last, "nosymm": last, "ws": 0, "how": how,
-                 "why": why, "differences": [why] if how == "program differs" else [],
-                 "tags": tags}
+                 "why": why, "differences": [why] if how == "program differs" else []}
         if how == "program differs" and self.check_ranks:
             entry["error"] = why
         return entry
 
-    def _compiled_here(self, missing: list[int]) -> bool:
-        """Does every rank in ``missing`` compile through fxcoalesce at all (notes of its own
-        in this store)? Then it most likely runs this stretch compiled, tagged, cut as it
-        may be (a function of its own, say, where this rank inlined it); a rank that never
-        compiled anything may be running the program uncompiled."""
-        return all(self.ex.notes(q) for q in missing)
-
     def _evidence(self, closure: set[int]) -> tuple[str, str, bool] | None:
-        """(how, why, tags) when a peer's own graphs show it will not compile this one here:
-        one of them starts where this one does, or covers where it starts; ``tags``: False
-        where that graph of the peer runs untagged (so must this one)."""
+        """(how, why) when a peer's own graphs show it will not compile this one here: one
+        of them starts where this one does, or covers where it starts."""
         pos = self.proposal["pos"]
         firsts = {g: _first(self.program, g) for g in pos}
         for q in sorted(closure - {self.rank}):
@@ -619,16 +607,15 @@ class _Run:
                         if a is not None and b is not None and a != b:
                             return "program differs", (
                                 f"at collective {at} of group {g}, rank {self.rank} issues {a}, "
-                                f"rank {q} issues {b}"), line.get("tags", True)
+                                f"rank {q} issues {b}")
                         return "cut differently", (
                             f"rank {q} compiles another graph from collective {at} of group "
-                            f"{g}{_where(line) or self._own_cut()}"), line.get("tags", True)
+                            f"{g}{_where(line) or self._own_cut()}")
                     issued = line.get("m", {}).get(g)
                     if theirs < at and issued is not None and theirs + issued > at:
                         return "cut differently", (
                             f"rank {q} runs collectives {theirs}-{theirs + issued - 1} of group "
-                            f"{g} in another graph{_where(line) or self._own_cut()}"), line.get(
-                            "tags", True)
+                            f"{g} in another graph{_where(line) or self._own_cut()}")
         return None
 
     def _own_cut(self) -> str:
@@ -639,15 +626,14 @@ class _Run:
                          differences=list(entry.get("differences", [])), waited_s=waited,
                          ranks=list(entry["ranks"]), why=entry.get("why", ""))
 
-    def noted(self, texts: list[str], tags: bool = True) -> None:
-        """Note how many collectives this graph issues on each group, and whether they
-        carry tags (peers' evidence)."""
+    def noted(self, texts: list[str]) -> None:
+        """Note how many collectives this graph issues on each group (peers' evidence)."""
         counts: dict[str, int] = {}
         for t in texts:
             role = t.split(":", 1)[0]
             counts[role] = counts.get(role, 0) + 1
         m = {g: counts.get(self.canon.role(g), 0) for g in self.proposal["pos"]}
-        self.ex.note({"d": self.d, "pos": self.proposal["pos"], "m": m, "tags": tags})
+        self.ex.note({"d": self.d, "pos": self.proposal["pos"], "m": m})
 
 
 def _where(line: dict) -> str:

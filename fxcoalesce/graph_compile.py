@@ -131,7 +131,7 @@ def rewrite_agreed(gm, cfg: Config, name: str, check_ranks: bool, *,
     if new is None:  # the program's own order, built only when it is the step kept
         new, report = run_pipeline(gm, replace(steps[-1].config, dump_dir=None),
                                    name=name, record=False, emit=False)
-    if outcome.error is None and cfg.run_checks and outcome.tags:
+    if outcome.error is None and cfg.run_checks:
         new = tagged(gm, new, outcome, name)
     # what agreeing added to this compile: the pipeline at the other steps, the exchange
     first_ms = (built[0][1].total_ms or 0.0) if built[0][1] is not None else 0.0

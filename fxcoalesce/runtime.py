@@ -80,7 +80,7 @@ class Guarded:
         if self.group is None:  # no group now: the collectives fail as plain's would
             return
         steps = ladder(self.cfg)
-        program_only, tags = False, True
+        program_only = False
         for g in self.graphs:
             if not g.sequences:  # not agreed on (no peers then): nothing to re-agree
                 continue
@@ -90,9 +90,10 @@ class Guarded:
             log.warning("fxcoalesce[%s]: the default process group was made anew since this "
                         "graph was compiled; the ranks agreed again: %s (%s)", self.name,
                         outcome.agreement.how, steps[outcome.step].label)
-            if outcome.step != g.step or (outcome.tags and self.cfg.run_checks) != g.tagged:
-                program_only, tags = True, tags and outcome.tags and self.cfg.run_checks
-        self.run = ProgramOrder(self.gm, self.name, tags) if program_only else self.compiled
+            if outcome.step != g.step or self.cfg.run_checks != g.tagged:
+                program_only = True
+        self.run = (ProgramOrder(self.gm, self.name, self.cfg.run_checks) if program_only
+                    else self.compiled)
 
 
 def offered(sequences: list, step: int) -> list:
@@ -106,8 +107,8 @@ def offered(sequences: list, step: int) -> list:
 
 class ProgramOrder:
     """The Dynamo graph run eagerly, every all_reduce tagged as a compiled graph of the
-    program's own order tags it (``passes.tag``; untagged where ``tags`` is False, as after
-    a timeout): what a rank runs where the ranks agreed again on the program's order for a
+    program's own order tags it (``passes.tag``; untagged without ``Config.run_checks``):
+    what a rank runs where the ranks agreed again on the program's order for a
     graph it compiled otherwise."""
 
     def __init__(self, gm, name: str, tags: bool = True):

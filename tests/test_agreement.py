@@ -148,7 +148,10 @@ def _late_run(rank, world, late_s, rank1_eager):
             time.sleep(late_s)
             if rank1_eager:  # this rank never compiles the graph (a disabled frame, say)
                 return summary(waited(pair(x, w)), want)
-        f = compiled(pair, "eager", agree_timeout_s=30 if not rank1_eager else 3)
+        # a peer that runs the stretch uncompiled issues untagged collectives: supported
+        # without the run-time checks only (docs/rank-agreement.md, "Assumed")
+        f = compiled(pair, "eager", **({"agree_timeout_s": 30} if not rank1_eager else
+                                       {"agree_timeout_s": 3, "run_checks": False}))
         return summary(waited(f(x, w)), want)
 
 
@@ -162,6 +165,8 @@ def test_a_late_rank_still_gets_the_rewrite():
 
 
 def test_a_peer_that_never_compiles_ends_the_wait_in_program_order():
+    """Without run-time checks (with them, every graph of the program's order is tagged, and
+    an uncompiled peer's untagged all_reduce cannot pair with it: gloo aborts on the size)."""
     res = spawn(_late_run, 2, (0.0, True), backend="gloo", timeout=300,
                 group_timeout_s=GROUP_TIMEOUT_S)
     assert all(r["equal"] for r in res)

@@ -638,7 +638,7 @@ def run_graph(p: Program, cfg: fxcoalesce.Config, comp: Compiled, step: int,
     """A part's build at ``step``, with the run-time tags the backend gives it
     (``graph_compile.tagged``) where its ranks agreed on it."""
     gm = comp.builds[step][0]
-    if o is None or not cfg.run_checks or not o.tags:
+    if o is None or not cfg.run_checks:
         return gm
     return tagged(comp.gm, copy_graph_module(gm), replace(o, step=step), "sim",
                   world=lambda g: len(p.topo.groups[g]))
