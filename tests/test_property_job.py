@@ -263,14 +263,25 @@ def _check_life(life: Life, cfg: fxcoalesce.Config) -> list[str]:
     ways = compile_ways(life, cfg)
     timelines = run_ranks(life, cfg, ways, dist.HashStore())
     jobs, wants = [], []
+    tagged_once: dict[tuple, object] = {}  # a part runs the same graph at most steps
+    unrewritten: dict[tuple, object] = {}
+
+    def graph(part):
+        key = (id(part.comp), part.step, id(part.outcome))
+        if key not in tagged_once:
+            tagged_once[key] = run_graph(p, cfg, part.comp, part.step, part.outcome)
+        return tagged_once[key]
+
     for r in range(world):
         steps, refs = [], []
         for s, parts in enumerate(timelines[r]):
             way = life.way(r, s)
             vp, template, _ = ways[r, way]
-            gms = tuple(run_graph(p, cfg, part.comp, part.step, part.outcome) for part in parts)
+            gms = tuple(graph(part) for part in parts)
             steps.append(gms[0] if len(gms) == 1 else replace(template, parts=gms))
-            refs.append(build_rank(vp, r, way.extras, False))
+            if (r, way) not in unrewritten:
+                unrewritten[r, way] = build_rank(vp, r, way.extras, False)
+            refs.append(unrewritten[r, way])
         jobs.append(Job(tuple(steps)))
         wants.append(Job(tuple(refs)))
     inputs = [rank_inputs(p, r) for r in range(world)]
