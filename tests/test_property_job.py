@@ -315,12 +315,18 @@ def _check_life(life: Life, cfg: fxcoalesce.Config) -> list[str]:
 
 
 def _guards_tell(life: Life) -> bool:
-    """The ranks' guards differ (some are specialized on the step, some not), so the
-    agreement sees which ranks may recompile alone. Where every rank alternates, every
-    rank's guards read the step alike and tell nothing, as a flag's do (seed 1598157776:
-    rank 5's own way is always cut, the others' only at some steps)."""
-    world = life.p.topo.world
-    return life.guarded and len({life.alternates(r) for r in range(world)}) > 1
+    """The ranks' guards differ (some are specialized on the step, some not) in every group
+    the program uses that holds a rank which alternates, so the agreement, which compares
+    the guards of the ranks that pair, sees which may recompile alone. Where the ranks of
+    one such group all alternate, their guards read the step alike and tell nothing, as a
+    flag's do (seed 1598157776: every rank of flat8 alternates; seed 3115551391: tp4's
+    pair {0, 1} both alternate, rank 0 in compute, rank 1 in its cut)."""
+    topo = life.p.topo
+    alternating = {r for r in range(topo.world) if life.alternates(r)}
+    used = {topo.roles[op.reduce.group][r] for op in life.p.ops if op.reduce is not None
+            for r in range(topo.world)}
+    pairing = [set(topo.groups[g]) for g in used if set(topo.groups[g]) & alternating]
+    return life.guarded and all(not members <= alternating for members in pairing)
 
 
 def _local(life: Life) -> bool:
@@ -410,6 +416,7 @@ def test_found_lives(path):
     anew while rank 1 re-cuts, paired a tagged float64[17] with an untagged [4, 4] (tags
     switched off by a guess after a timeout: now every graph of the program's order is
     tagged); 1598157776, a guarded life where every rank reads the step (guards alike: a
-    raise there is as loud as it should be; the property said otherwise)."""
+    raise there is as loud as it should be; the property said otherwise); 3115551391 (the
+    local run after the fix, 2026-12-04), the same within tp4's pair {0, 1}."""
     life, cfg = recorded_case(path)
     check_life(life, cfg)
