@@ -589,7 +589,7 @@ class _Run:
             entry["error"] = why
         return entry
 
-    def _evidence(self, closure: set[int]) -> tuple[str, str, bool] | None:
+    def _evidence(self, closure: set[int]) -> tuple[str, str] | None:
         """(how, why) when a peer's own graphs show it will not compile this one here: one
         of them starts where this one does, or covers where it starts."""
         pos = self.proposal["pos"]
