@@ -77,6 +77,10 @@ class Simulation:
     returned: list[list] = field(default_factory=list)
     """Per rank, the outputs of each :class:`Job` step it returned (all of them, or those
     before the step where it stopped)."""
+    ends: list[list[int]] = field(default_factory=list)
+    """Per rank, for each step it returned: the firing index it had paired last by then."""
+    failed: dict[int, int] = field(default_factory=dict)
+    """Ranks in ``raised``: the firing index of the all_reduce whose tag check failed."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +111,7 @@ class _Pending:
     x: torch.Tensor
     inplace: bool
     result: torch.Tensor | None = None
+    index: int = -1  # its firing index, once paired
 
 
 def run_rank(gm: GraphModule, inputs: Sequence[torch.Tensor]) -> RankRun:
@@ -140,8 +145,28 @@ def run_rank(gm: GraphModule, inputs: Sequence[torch.Tensor]) -> RankRun:
         elif is_collective(n):
             raise NotImplementedError(f"collective {n.target} ({n.name})")
         else:
-            env[n] = op_of(n)(*a, **kw)
+            try:
+                env[n] = op_of(n)(*a, **kw)
+            except RuntimeError as e:
+                if is_check_error(e):
+                    e.checked = _checked(n, env)  # the collective whose tag failed
+                raise
     raise AssertionError("graph has no output node")
+
+
+def _checked(check, env) -> _Pending | None:
+    """The all_reduce a tag check reads: the first ``wait_tensor`` up its inputs."""
+    seen, todo = set(), [check]
+    while todo:
+        n = todo.pop(0)
+        if n.op == "call_function" and op_of(n) is WAIT and isinstance(env.get(n.args[0]),
+                                                                        _Pending):
+            return env[n.args[0]]
+        for m in n.all_input_nodes:
+            if m not in seen:
+                seen.add(m)
+                todo.append(m)
+    return None
 
 
 def run_chain(chain: Chain, inputs: Sequence[torch.Tensor]) -> RankRun:
@@ -215,6 +240,7 @@ def simulate(gms: Sequence, inputs: Sequence[Sequence[torch.Tensor]],
     every = list(range(world))
     groups = {g: sorted(m) for g, m in (groups or {}).items()}
     returned: list[list] = [[] for _ in every]  # a Job's steps, as they return
+    ends: list[list[int]] = [[] for _ in every]
     ranks = [_runner(g, inp, returned[r]) for r, (g, inp) in enumerate(zip(gms, inputs,
                                                                             strict=True))]
     outputs: list = [None] * world
@@ -223,17 +249,22 @@ def simulate(gms: Sequence, inputs: Sequence[Sequence[torch.Tensor]],
     queues: dict[tuple[int, str], list[_Pending]] = {}  # (rank, group) -> issued, unpaired
     blocked: dict[int, _Pending] = {}
     raised: dict[int, int] = {}
+    failed: dict[int, int] = {}
     last: dict[int, int] = {}  # rank -> the firing index it was last paired in
     live = set(every)
 
     order: list[list[_Pending]] = [[] for _ in every]  # each rank's unpaired, issue order
     paired: list[list[int]] = []
 
+    def step_ended(r: int) -> None:
+        ends[r] += [last.get(r, -1)] * (len(returned[r]) - len(ends[r]))
+
     def advance(r: int) -> None:
         """Run rank r until it waits for an unreduced collective, ends, or raises."""
         try:
             while True:
                 what, pending = next(ranks[r])
+                step_ended(r)
                 if what == "issue":
                     queues.setdefault((r, pending.sig.group), []).append(pending)
                     order[r].append(pending)
@@ -241,12 +272,15 @@ def simulate(gms: Sequence, inputs: Sequence[Sequence[torch.Tensor]],
                     blocked[r] = pending
                     return
         except StopIteration as done:
+            step_ended(r)
             outputs[r] = done.value
             live.discard(r)
         except Exception as e:  # noqa: BLE001 - a failed tag check stops this rank only
             if not is_check_error(e):
                 raise
             raised[r] = last.get(r, -1)
+            pending = getattr(e, "checked", None)
+            failed[r] = -1 if pending is None else pending.index
             live.discard(r)
 
     def head(m: int, g: str) -> _Pending | None:
@@ -276,6 +310,7 @@ def simulate(gms: Sequence, inputs: Sequence[Sequence[torch.Tensor]],
                 queues[(m, g)].pop(0)
                 order[m].pop(0)
                 pending = heads[m]
+                pending.index = index
                 pending.result = result.clone()
                 if pending.inplace:
                     pending.x.copy_(result)
@@ -293,17 +328,21 @@ def simulate(gms: Sequence, inputs: Sequence[Sequence[torch.Tensor]],
             heads = {r: (order[r][0].sig if order[r] else None) for r in every}
             raise CollectiveMismatch(f"collective #{len(issued)}: deadlock: "
                                      + describe(heads, waiting))
-    return Simulation(outputs, issued, by_rank, raised, sorted(live), paired, returned)
+    return Simulation(outputs, issued, by_rank, raised, sorted(live), paired, returned, ends,
+                      failed)
 
 
 def assert_loud(sim: Simulation) -> None:
-    """Where some rank's tag check failed, every member of the pairing it failed on stopped
-    there too, or waits after it with that check still to run (it fails: the tags differ
-    on every member); no rank stopped on a check of another pairing."""
-    for r, k in sim.raised.items():
-        assert k >= 0, f"rank {r} raised before any collective paired"
+    """Where some rank's tag check failed, every member of the pairing whose check failed
+    stopped on a check too, or waits with that check still to run (it fails: the tags
+    differ on every member); none returned a step after that pairing. A member may have
+    stopped on another pairing: before this one, with this collective in flight (seed
+    3671131272: rank 0 stops on #8, rank 2 on #10, rank 0's next all_reduce), or on a
+    collective it waited on first (seed 2850615131: rank 2 stops on #6, rank 0 waits on
+    its #8 first and stops there)."""
+    for r, k in sim.failed.items():
+        assert k >= 0, f"rank {r} raised on a check of no paired collective"
         for m in sim.members[k]:
-            if m in sim.raised:
-                assert sim.raised[m] == k, (r, m, sim.raised)
-            else:
-                assert m in sim.stuck, f"rank {m} paired collective #{k} wrongly, and went on"
+            assert m in sim.raised or m in sim.stuck, f"rank {m} paired #{k} wrongly, went on"
+            assert all(e < k for e in sim.ends[m]), (
+                f"rank {m} returned a step after pairing #{k} wrongly", sim.raised, sim.ends)

@@ -91,6 +91,7 @@ def test_a_peer_running_another_graph_stops_every_rank_of_the_pairing():
     rew, _ = tagged(summed(), rewritten=True)
     sim = simulate([prog, rew], inputs())
     assert sorted(sim.raised) == [0, 1] and not any(sim.outputs)
+    assert sim.failed == {0: 0, 1: 0}  # the check of the first pairing, on both
     assert_loud(sim)
     # with the same rewrite on both: no check fails, the sum is right
     ok = simulate([rew, rew], inputs())
@@ -256,3 +257,20 @@ def test_guards_on_torchs_own_settings_are_not_a_rank_difference():
     for user in ("L['step']", "G['FLAG']['log']", "G['torchvision_flag']", "G['torch_step']",
                  "L['self'].G['torch_like']"):
         assert not TORCH_OWN.search(user), user
+
+
+def test_assert_loud_rejects_a_member_that_returned_after_the_failing_pairing():
+    """The property's own check has teeth: rank 1 stopped on #1, which rank 0 paired too and
+    then returned its step from (a check that should have failed passed): not loud."""
+    from simulate import Simulation
+
+    def sim(raised, stuck, ends):
+        return Simulation([None] * 2, [None] * 2, raised=raised, stuck=stuck,
+                          members=[[0, 1], [0, 1]], ends=ends, failed=raised)
+
+    assert_loud(sim({1: 1}, [0], [[0], []]))  # rank 0 returned before #1, then waits
+    assert_loud(sim({1: 1, 0: 0}, [], [[], []]))  # rank 0 stopped first, #1 in flight
+    with pytest.raises(AssertionError, match="returned a step after pairing #1"):
+        assert_loud(sim({1: 1}, [0], [[1], []]))
+    with pytest.raises(AssertionError, match="went on"):
+        assert_loud(sim({1: 1}, [], [[0], []]))
