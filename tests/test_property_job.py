@@ -417,6 +417,11 @@ def test_found_lives(path):
     switched off by a guess after a timeout: now every graph of the program's order is
     tagged); 1598157776, a guarded life where every rank reads the step (guards alike: a
     raise there is as loud as it should be; the property said otherwise); 3115551391 (the
-    local run after the fix, 2026-12-04), the same within tp4's pair {0, 1}."""
+    local run after the fix, 2026-12-04), the same within tp4's pair {0, 1}; 3671131272
+    (the device run of the final code, 2026-12-04), rank 0 alone re-cut: it stops at its
+    first check with its next all_reduce in flight, whose peer stops on it later (the
+    property's premise said every member stops at the same pairing); 2850615131 (same run),
+    rank 0 alone re-cut, waits on its tp all_reduce first and stops there, after its dp
+    peer stopped on the earlier pairing."""
     life, cfg = recorded_case(path)
     check_life(life, cfg)
