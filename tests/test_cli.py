@@ -321,3 +321,41 @@ def test_quiet_prints_no_progress():
                    timeout=300)
     assert proc.returncode == 0 and "all_reduce launches" in proc.stdout
     assert "tracing" not in proc.stderr and "traced in" not in proc.stderr, proc.stderr
+
+
+def _imports(path: Path, package: str) -> set[str]:
+    """The modules of ``package`` that the file ``path`` imports, at its top or in a function."""
+    import ast
+
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+    return {n for n in names if n.startswith(package + ".")}
+
+
+def test_the_tools_import_no_circle():
+    """Regression: checks imported tour (the main job's model) and tour imported checks (its
+    backend and prompt), each inside a function. No module of fxcoalesce.apps reaches
+    itself again through the modules it imports, at their top or inside a function."""
+    root = Path(cli.__file__).resolve().parents[1]  # fxcoalesce/
+    modules = {}
+    for path in (root / "apps").rglob("*.py"):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    edges = {m: _imports(p, "fxcoalesce.apps") & modules.keys() - {m}
+             for m, p in modules.items()}
+
+    def reaches(start: str) -> set[str]:
+        seen, todo = set(), [start]
+        while todo:
+            for n in edges[todo.pop()] - seen:
+                seen.add(n)
+                todo.append(n)
+        return seen
+
+    circles = sorted(m for m in modules if m in reaches(m))
+    assert circles == [], circles
+    assert "fxcoalesce.apps.tour" not in reaches("fxcoalesce.apps.checks")

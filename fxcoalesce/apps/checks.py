@@ -15,12 +15,9 @@ import re
 import tempfile
 from pathlib import Path
 
+from fxcoalesce.apps.defaults import DEFAULT_PROMPT, MERGE_MODEL, PRETRAINED
+from fxcoalesce.apps.defaults import backend_of as _backend
 from fxcoalesce.config import Config
-
-PRETRAINED = "smollm2-135m"
-"""The model with pretrained weights (apps/spec/smollm2.py): demo decodes it with a trained head."""
-DEFAULT_PROMPT = "Why is the sky blue?"
-"""What ``demo --model smollm2-135m`` asks without ``--prompt``."""
 
 
 def _at_least(minimum: int, why: str = "", **options: int) -> None:
@@ -313,13 +310,6 @@ def _hostable(tp: int, device: str) -> None:
                          f"({RANKS_PER_CORE} per core)")
 
 
-def _backend(args) -> str:
-    """The process group backend a bench or demo run will use."""
-    from fxcoalesce.apps.launch import default_backend
-
-    return args.backend or default_backend(args.device, args.tp)
-
-
 def check_bench(args) -> None:
     from fxcoalesce.apps.bench.variants import parse_variants
 
@@ -406,8 +396,6 @@ def check_demo(args) -> None:
     if args.out is not None:
         _can_make_dir(args.out, "demo", "demo.json")
     if args.model is None:  # both parts: the merge model's forward, then SmolLM2
-        from fxcoalesce.apps.tour import MERGE_MODEL
-
         if args.hand_merged:
             raise ValueError("--hand-merged: for --model NAME only (the demo's first part "
                              "sets plain torch.compile against fxcoalesce)")

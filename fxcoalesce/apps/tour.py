@@ -24,7 +24,8 @@ import sys
 import time
 from pathlib import Path
 
-MERGE_MODEL = "neox-tiny"
+from fxcoalesce.apps.defaults import DEFAULT_PROMPT, MERGE_MODEL, backend_of
+
 MERGE_TOKENS = 3
 MERGE_ROUNDS = 500
 TOUR_TOKENS = 64
@@ -42,11 +43,10 @@ def _spread(v: dict) -> str:
 def merge_part(args, say) -> dict:
     """Part 1: the bench record of plain torch.compile against fxcoalesce on MERGE_MODEL."""
     from fxcoalesce.apps.bench.run import BenchOptions, run_bench
-    from fxcoalesce.apps.checks import _backend
 
     cuda = args.device == "cuda"
     opt = BenchOptions(model=MERGE_MODEL, tokens=(MERGE_TOKENS,), tp=args.tp,
-                       backend=_backend(args), device=args.device, cudagraphs=cuda,
+                       backend=backend_of(args), device=args.device, cudagraphs=cuda,
                        variants=("inductor", "fxcoalesce"), steps=MERGE_ROUNDS,
                        calls_per_sample=10 if cuda else 1, warmup=10,
                        command=getattr(args, "command_line", ""), progress=say is not None)
@@ -107,7 +107,6 @@ def recorded_gpu_line() -> str | None:
 
 
 def run_tour(args) -> int:
-    from fxcoalesce.apps.checks import DEFAULT_PROMPT
     from fxcoalesce.apps.spec.demo import decode_smollm2, smollm2_lines
     from fxcoalesce.apps.spec.smollm2 import NAME
 
