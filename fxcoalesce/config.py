@@ -8,12 +8,13 @@ against the registry by ``fxcoalesce.passes.check_config``, which every entry po
 from __future__ import annotations
 
 import difflib
+import functools
 import hashlib
 import json
 import math
 import numbers
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 DEFAULT_PASSES = ("slice", "linearity", "bucket", "fuse_norm", "lower", "schedule")
@@ -23,6 +24,34 @@ names)."""
 
 class ProfileError(ValueError):
     """A cost profile that cannot be used: missing, malformed, or made for another setup."""
+
+
+def did_you_mean(name: str, known, *, quote: bool = True) -> str:
+    """"did you mean 'reassociate'?" for the entry of ``known`` closest to ``name`` (difflib),
+    "" when none is close; ``quote=False`` for options: "did you mean --tp?"."""
+    close = difflib.get_close_matches(name, list(known), n=1)
+    if not close:
+        return ""
+    return f"did you mean {close[0]!r}?" if quote else f"did you mean {close[0]}?"
+
+
+def _fields_named(cls):
+    """Make ``cls(**kwargs)`` refuse a keyword that is no field of the dataclass ``cls`` with
+    the closest field's name (``Config(reasociate=True)``: did you mean 'reassociate'?)."""
+    init = cls.__init__
+    names = tuple(f.name for f in fields(cls))
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        for key in kwargs:
+            if key not in names:
+                hint = did_you_mean(key, names) or f"its fields: {', '.join(names)}"
+                raise TypeError(f"{cls.__name__}() got an unexpected keyword argument "
+                                f"{key!r}; {hint}")
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__
+    return cls
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -85,6 +114,7 @@ class CommProfile:
         return dict(self.implementations).get(impl)
 
 
+@_fields_named
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CostModel:
     """What the passes and the report predict time with.
@@ -237,12 +267,12 @@ def _read_profile(path: Path) -> dict:
 
 def unknown_pass(name: str, where: str = "passes") -> str:
     """The error for a pass name that is not one of ``DEFAULT_PASSES``: the closest known."""
-    close = difflib.get_close_matches(name, DEFAULT_PASSES, n=1)
-    hint = f"did you mean {close[0]!r}? " if close else ""
+    hint = f"{hint} " if (hint := did_you_mean(name, DEFAULT_PASSES)) else ""
     return (f"unknown pass name {name!r} in {where}; {hint}known: "
             f"{', '.join(sorted(DEFAULT_PASSES))}")
 
 
+@_fields_named
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Config:
     """What the fxcoalesce pipeline does to each compiled graph."""

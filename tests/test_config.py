@@ -41,11 +41,34 @@ from fxcoalesce.config import Config, CostModel, ProfileError
      "mean 'schedule'? known: bucket, fuse_norm, linearity, lower, schedule, slice"),
     ({"passes": ("nope",)}, ValueError, "unknown pass name 'nope' in passes; known: bucket, "
      "fuse_norm, linearity, lower, schedule, slice"),
+    # regression: Python's own "unexpected keyword argument", with no hint
+    ({"reasociate": False}, TypeError, "Config() got an unexpected keyword argument "
+     "'reasociate'; did you mean 'reassociate'?"),
+    ({"bucket_cap": 64}, TypeError, "Config() got an unexpected keyword argument 'bucket_cap'; "
+     "did you mean 'bucket_cap_mb'?"),
+    ({"speed": "max"}, TypeError, "Config() got an unexpected keyword argument 'speed'; its "
+     "fields: passes, disable, bucket_cap_mb, reassociate, strict, codegen, dump_dir, "
+     "slack_aware, check_ranks, agree_timeout_s, cost, dump_passes, run_checks, lower"),
 ])
 def test_config_refuses(kwargs, error, message):
     with pytest.raises(error) as info:
         Config(**kwargs)
     assert str(info.value) == message
+
+
+def test_a_misspelt_field_names_the_closest_everywhere_a_config_is_made():
+    """``dataclasses.replace`` and ``CostModel`` take the same hint; the signature stays."""
+    import dataclasses
+    import inspect
+
+    with pytest.raises(TypeError, match=r"^Config\(\) got an unexpected keyword argument "
+                       r"'strictt'; did you mean 'strict'\?$"):
+        dataclasses.replace(Config(), strictt=True)
+    with pytest.raises(TypeError, match=r"^CostModel\(\) got an unexpected keyword argument "
+                       r"'bandwidth_gbs'; did you mean 'bandwidth_gbps'\?$"):
+        CostModel(bandwidth_gbs=10.0)
+    assert "reassociate" in inspect.signature(Config).parameters
+    assert Config(reassociate=False).reassociate is False
 
 
 def test_default_passes_are_the_registry():
