@@ -225,7 +225,7 @@ BAD = [  # (arguments, the error line after "fxcoalesce inspect: error: ")
     (["--hf", "bert", "--tp", "2"], "--hf bert: BertConfig has no tensor-parallel plan "
      "(base_model_tp_plan), so tp_plan='auto' cannot shard it"),
     (["--hf", "llama", "--set", "hidden_sise=64"], "--hf llama: LlamaConfig has no field "
-     "'hidden_sise'"),
+     "'hidden_sise'; did you mean 'hidden_size'?"),
     (["--hf", "llama", "--set", "64"], "--set 64: give KEY=VALUE, e.g. --set hidden_size=4096"),
     (["--hf", "{d}/nothing.json"], "--hf {d}/nothing.json: no such file"),
     (["--model", "neox-tiny", "--tp", "4", "--profile", "{d}/p2.json"], "--profile "

@@ -20,6 +20,8 @@ class Built:
     """One line: the model, its size, how it was sharded, its input."""
     parameters: int
     """Parameters of the unsharded model."""
+    model: nn.Module | None = None
+    """The sharded model ``fn`` runs: its modules' paths name where a failed trace failed."""
 
 
 def parameter_count(module: nn.Module) -> int:

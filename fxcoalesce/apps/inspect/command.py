@@ -9,11 +9,11 @@ import traceback
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 from fxcoalesce.config import Config, CostModel
 from fxcoalesce.report import merge_line
 
-from fxcoalesce.apps.inspect.built import first_line
 from fxcoalesce.apps.inspect.profiles import predictions, read_as_is
 from fxcoalesce.apps.trace import Traced
 
@@ -47,8 +47,14 @@ def trace(args, say: Callable[[str], None]) -> tuple[Traced, str]:
     cfg = config_of(args)
     kind = door(args)
     if kind == "zoo":
-        t = trace_model(args.model, tp=args.tp, tokens=args.tokens, step=args.step,
-                        hand_merged=args.hand_merged, config=cfg, layers=args.layers, say=say)
+        try:
+            t = trace_model(args.model, tp=args.tp, tokens=args.tokens, step=args.step,
+                            hand_merged=args.hand_merged, config=cfg, layers=args.layers,
+                            say=say)
+        except ValueError:
+            raise
+        except Exception as e:
+            _failed(args, e, None, say)
         return t, (f"{args.model}{' (hand-merged)' if args.hand_merged else ''}  "
                    f"step={args.step}  TP={args.tp}  tokens={args.tokens}")
     from fxcoalesce.apps.launch import init_fake_group
@@ -77,14 +83,29 @@ def trace(args, say: Callable[[str], None]) -> tuple[Traced, str]:
                                     "`functools.lru_cache`-wrapped function")
             before, after, report = trace_step(built.fn, built.args, built.mode, config=cfg)
     except Exception as e:
-        if args.verbose:
-            traceback.print_exc()
-        hint = "" if args.verbose else " (fxcoalesce -v inspect ... shows its traceback)"
-        raise ValueError(f"{args.hf or args.model}: tracing its step failed: "
-                         f"{first_line(e)}{hint}") from None
+        _failed(args, e, built, say)
     seconds = time.perf_counter() - t0
     say(f"  traced in {seconds:.1f} s")
     return Traced(before, after, report, seconds), f"{built.what}  TP={args.tp}"
+
+
+def _failed(args, e: Exception, built, say: Callable[[str], None]) -> NoReturn:
+    """Raise the one-line ValueError for a trace that failed with ``e``: where in the model
+    (found by running ``built``'s step eagerly under its fake tensors), the call, the shapes
+    and, for a shard that does not fit, what TP degree to choose (``failure``)."""
+    from fxcoalesce.apps.inspect.failure import explain, locate
+
+    if args.verbose:
+        traceback.print_exception(e)
+    located = None
+    if built is not None:
+        say("  finding where it failed: running the step eagerly under fake tensors ...")
+        try:
+            located = locate(built.fn, built.args, built.mode, built.model)
+        except Exception:  # the explanation is a courtesy: the trace's own error stands
+            located = None
+    raise ValueError(explain(e, name=args.hf or args.model, tp=args.tp, located=located,
+                             verbose=args.verbose)) from None
 
 
 def _no_all_reduce(args, t: Traced) -> None:

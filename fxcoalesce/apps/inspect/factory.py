@@ -183,4 +183,5 @@ def build_factory(spec: str, tp: int, group) -> Built:
     sharding = ("its plan" if plan else "itself") if tp > 1 else "none (TP 1)"
     what = (f"{spec}: {call} -> {type(module).__name__}, {params / 1e9:.2f}B parameters, "
             f"sharded by {sharding}; input {tuple(x.shape)} {str(x.dtype).removeprefix('torch.')}")
-    return Built(fn=module.eval(), args=(x,), mode=mode, what=what, parameters=params)
+    return Built(fn=module.eval(), args=(x,), mode=mode, what=what, parameters=params,
+                 model=module)

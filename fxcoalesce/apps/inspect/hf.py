@@ -30,6 +30,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxcoalesce.apps.inspect.built import Built, first_line, parameter_count
+from fxcoalesce.config import did_you_mean
 
 KEY_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value", "c_attn",
                    "Wqkv", "W_pack")
@@ -151,7 +152,9 @@ def _check_fields(cls, overrides: dict, name: str) -> None:
     defaults = cls()
     unknown = [k for k in overrides if not hasattr(defaults, k)]
     if unknown:
-        raise ValueError(f"--hf {name}: {cls.__name__} has no field {unknown[0]!r}")
+        hint = did_you_mean(unknown[0], defaults.to_dict())
+        raise ValueError(f"--hf {name}: {cls.__name__} has no field {unknown[0]!r}"
+                         + (f"; {hint}" if hint else ""))
 
 
 def causal_lm_class(config):
@@ -258,4 +261,4 @@ def build_hf(config, tp: int, tokens: int, *, source: str = "") -> Built:
                 "DistributedConfig(tp_plan='auto')) does") if tp > 1 else "none (TP 1)"
     what = (f"{cls.__name__} ({describe(config, source)}): {params / 1e9:.2f}B parameters, "
             f"bf16, sharded by {sharding}; forward over {tokens} tokens")
-    return Built(fn=logits, args=(ids,), mode=mode, what=what, parameters=params)
+    return Built(fn=logits, args=(ids,), mode=mode, what=what, parameters=params, model=model)
