@@ -10,7 +10,8 @@ from pathlib import Path
 
 from fxcoalesce.apps import checks
 from fxcoalesce.apps.bench.variants import DEFAULT_VARIANTS, VARIANTS
-from fxcoalesce.config import Config
+from fxcoalesce.apps.defaults import DEFAULT_PROMPT
+from fxcoalesce.config import Config, did_you_mean
 from fxcoalesce.viz.picture import MAX_BOXES
 
 
@@ -41,9 +42,9 @@ def cmd_bench(args) -> int:
     from fxcoalesce.apps.bench.run import BenchOptions, run_bench
     from fxcoalesce.apps.bench.report import text_table, write_all
     from fxcoalesce.apps.bench.variants import parse_variants
-    from fxcoalesce.apps.checks import _backend
+    from fxcoalesce.apps.defaults import backend_of
 
-    be = _backend(args)
+    be = backend_of(args)
     opt = BenchOptions(model=args.model, step=args.step, tokens=tuple(args.tokens),
                        layers=args.layers, tp=args.tp, backend=be, device=args.device,
                        cudagraphs=args.cudagraphs,
@@ -166,11 +167,41 @@ def cmd_demo(args) -> int:
     return run_demo(args)
 
 
+def version_text() -> str:
+    """'fxcoalesce 0.1.0 (torch 2.13.0+cpu, Python 3.11.9)', from the installed packages'
+    metadata (torch is not imported)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def of(name: str) -> str | None:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+
+    python = ".".join(map(str, sys.version_info[:3]))
+    torch = of("torch")
+    return (f"fxcoalesce {of('fxcoalesce') or 'unknown (not installed: pip install -e .)'} "
+            f"({f'torch {torch}, ' if torch else 'torch not installed, '}Python {python})")
+
+
+class _Version(argparse.Action):
+    """``--version``: the version line on stdout, exit status 0 (read when asked for)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS,
+                 help="print fxcoalesce's version (and torch's, Python's) and exit"):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_text())
+        parser.exit()
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="fxcoalesce", description="Tools of the fxcoalesce torch.compile backend (fewer, "
         "smaller all_reduces for tensor-parallel inference): inspect, bench, demo, "
         "train-draft, calibrate. 'fxcoalesce COMMAND --help' describes each.")
+    p.add_argument("-V", "--version", action=_Version)
     p.add_argument("-v", "--verbose", action="store_true",
                    help="log each graph's report; show a failed rank's traceback")
     p.add_argument("-q", "--quiet", action="store_true",
@@ -318,7 +349,7 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--out", help="directory to write demo.json into, created if missing "
                                  "(default: write nothing)")
     d.add_argument("--prompt", help="smollm2-135m: the user message, chat template applied "
-                                    f"(default: {checks.DEFAULT_PROMPT!r})")
+                                    f"(default: {DEFAULT_PROMPT!r})")
     d.add_argument("--draft", help="smollm2-135m: draft head directory from train-draft "
                                    "(default: the repository's heads/smollm2-135m)")
     d.set_defaults(fn=cmd_demo, check=checks.check_demo)
@@ -422,9 +453,52 @@ class _NamedOnce(logging.Formatter):
         return text if text.startswith("fxcoalesce") else f"{record.name}: {text}"
 
 
+def _commands(p: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """Each subcommand's parser, by name."""
+    return next(a.choices for a in p._actions if isinstance(a, argparse._SubParsersAction))
+
+
+def _parse(p: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """``p.parse_args(argv)``, except that an argument no parser takes is refused by the
+    parser of the command it was given to, with that command's usage (argparse's own refusal
+    shows the top-level usage), and the closest option: ``inspect --tpp 2``: did you mean
+    --tp?"""
+    args, extra = p.parse_known_args(argv)
+    if not extra:
+        return args
+    first = extra[0]
+    before_command = first in argv and argv.index(first) < argv.index(args.cmd)
+    own = p if before_command else _commands(p)[args.cmd]
+    options = [o for a in own._actions for o in a.option_strings if o.startswith("--")]
+    top = [o for a in p._actions for o in a.option_strings]
+    name = first.partition("=")[0]
+    if own is not p and name in top:
+        hint = (f"an option of fxcoalesce itself: give it before the command, fxcoalesce "
+                f"{name} {args.cmd} ...")
+    elif first.startswith("-"):
+        hint = did_you_mean(name, options, quote=False)
+    elif own is not p and "--model" in options and getattr(args, "model", "") is None:
+        hint = f"did you mean --model {first}?"
+    else:
+        hint = ""
+    own.error(f"unrecognized arguments: {' '.join(extra)}" + (f" ({hint})" if hint else ""))
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    args.command_line = "fxcoalesce " + " ".join(sys.argv[1:] if argv is None else argv)
+    """The ``fxcoalesce`` command; its exit status. Ctrl-C anywhere is one line and 130."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = None
+    try:
+        args = _parse(parser(), argv)
+        return _main(args, argv)
+    except KeyboardInterrupt:
+        cmd = f" {args.cmd}" if args is not None else ""
+        print(f"fxcoalesce{cmd}: interrupted", file=sys.stderr, flush=True)
+        return 130
+
+
+def _main(args: argparse.Namespace, argv: list[str]) -> int:
+    args.command_line = "fxcoalesce " + " ".join(argv)
     handler = logging.StreamHandler()
     handler.setFormatter(_NamedOnce("%(message)s"))
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,

@@ -9,8 +9,10 @@ first failure is raised as ``RankError`` (type and message; the rank's traceback
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing.util
 import os
+import signal
 import socket
 import sys
 import threading
@@ -49,8 +51,24 @@ NCCL_SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1
 """Kept set for NCCL ranks: NVLink multicast can take a shared host's GPUs down."""
 
 
+def _thread_lock_for_tqdm() -> None:
+    """tqdm makes a multiprocessing lock, a named semaphore registered with the parent's
+    resource tracker, for the first bar it draws (Inductor draws some); a rank stopped from
+    outside (Ctrl-C in the parent, a failed peer) cannot unregister it, and the tracker then
+    warns of leaked semaphores as the command exits. A rank's bars share no lock with
+    another process: tqdm's thread lock is enough (its own choice where multiprocessing
+    locks cannot be had)."""
+    try:
+        from tqdm.std import TqdmDefaultWriteLock
+    except ImportError:
+        return
+    if not hasattr(TqdmDefaultWriteLock, "mp_lock"):
+        TqdmDefaultWriteLock.mp_lock = None
+
+
 def _entry(rank, world_size, port, backend, fn, args, queue, done, env, group_timeout_s):
     try:
+        _thread_lock_for_tqdm()
         os.environ.update(env or {})
         extra = {}
         if group_timeout_s is not None:
@@ -130,13 +148,49 @@ def _next_report(queue, procs, received, deadline: float):
             continue
 
 
+def _descendants(pid: int) -> list[int]:
+    """The processes below ``pid`` (its children, theirs, ...), read from Linux's /proc;
+    none where there is no /proc."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = [e.name for e in os.scandir("/proc") if e.name.isdigit()]
+    except OSError:
+        return []
+    for name in entries:
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                ppid = int(f.read().rpartition(")")[2].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue  # ended meanwhile
+        children.setdefault(ppid, []).append(int(name))
+    below, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            below.append(child)
+            todo.append(child)
+    return below
+
+
+def _signal_all(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
 def _stop(procs, failed: bool) -> None:
-    """Let finished ranks exit; after a failure, terminate the others at once (they may be
-    blocked in a collective waiting for the failed rank) and kill any that ignore it."""
+    """Let finished ranks exit; after a failure (or Ctrl-C), terminate the others at once
+    (they may be blocked in a collective waiting for the failed rank) and kill any that
+    ignore it, with what they started (Inductor's compile workers and their compilers,
+    which would outlive the rank: they ignore SIGINT)."""
+    below = []
     if failed:
+        below = [d for p in procs if p.is_alive() for d in _descendants(p.pid)]
         for p in procs:
             if p.is_alive():
                 p.terminate()
+        _signal_all(below, signal.SIGTERM)
     end = time.monotonic() + (5 if failed else TEARDOWN_S + 10)
     for rank, p in enumerate(procs):
         p.join(timeout=max(0.0, end - time.monotonic()))
@@ -146,6 +200,25 @@ def _stop(procs, failed: bool) -> None:
                       file=sys.stderr, flush=True)
             p.kill()
             p.join()
+    _signal_all([d for d in below if os.path.exists(f"/proc/{d}")], signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def _ranks_ignore_sigint():
+    """Processes started inside ignore SIGINT: Ctrl-C reaches every process of the terminal's
+    group, and a rank would answer it with a traceback of its own (one per rank, even while
+    it imports torch). The parent alone takes it (KeyboardInterrupt) and stops the ranks
+    (:func:`_stop`). An ignored signal stays ignored across exec, and Python installs its
+    KeyboardInterrupt handler only where SIGINT is not ignored. Off the main thread (where
+    no handler can be set) nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler if before is None else before)
 
 
 def spawn(fn, world_size: int, args: tuple = (), backend: str | None = None,
@@ -167,8 +240,9 @@ def spawn(fn, world_size: int, args: tuple = (), backend: str | None = None,
                          args=(r, world_size, port, backend, fn, args, queue, done, env,
                                group_timeout_s))
              for r in range(world_size)]
-    for p in procs:
-        p.start()
+    with _ranks_ignore_sigint():
+        for p in procs:
+            p.start()
     deadline = time.monotonic() + timeout
     results, failure = {}, None
     try:

