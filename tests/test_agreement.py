@@ -96,8 +96,9 @@ def test_a_print_on_one_rank_runs_like_plain(route, check):
     # another graph at the same place and both ranks keep the program's order ...
     assert r0["after"] == [2, 1] and r1["after"] == [3]
     assert r1["agreement"][0]["how"] == "cut differently", r1
-    # ... at once: neither waited for the 60 s agree_timeout_s
-    assert all(a["waited_s"] < 10 for r in res for a in r["agreement"]), res
+    # ... at once: neither waited out the 60 s agree_timeout_s (how each wait ended, not a
+    # wall time, which a loaded machine stretches)
+    assert all(a.get("how") != "timed out" for r in res for a in r["agreement"]), res
 
 
 # --- §1: a recompile on one rank only, while the peer already runs the graph ---
@@ -171,7 +172,7 @@ def test_a_peer_that_never_compiles_ends_the_wait_in_program_order():
                 group_timeout_s=GROUP_TIMEOUT_S)
     assert all(r["equal"] for r in res)
     [agreement] = res[0]["agreement"]
-    assert agreement["how"] == "timed out" and 3 <= agreement["waited_s"] < 10, agreement
+    assert agreement["how"] == "timed out" and agreement["waited_s"] >= 3, agreement
     assert res[0]["after"] == [3]  # the program's own order pairs with the eager peer
 
 
@@ -276,10 +277,9 @@ def _lonely(rank, world):
 def test_a_hang_fails_in_seconds_not_minutes():
     """The harness itself: a collective one rank never joins fails within the group timeout
     (what makes every test above fail fast instead of hanging)."""
-    t0 = time.monotonic()
-    with pytest.raises(RankError):
+    with pytest.raises(RankError) as e:
         spawn(_lonely, 2, (), backend="gloo", timeout=120, group_timeout_s=5)
-    assert time.monotonic() - t0 < 60
+    assert "no result within spawn's timeout" not in str(e.value), e.value  # the group's
 
 
 # --- one function, two graphs with the same collectives (a later graph of a program key) ---

@@ -7,7 +7,6 @@ import re
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -99,11 +98,9 @@ def assert_refused(proc: subprocess.CompletedProcess, cmd: str, message: str) ->
     pytest.param(*case, marks=pytest.mark.skipif(not NO_CUDA, reason="CUDA is available"))
     for case in NEEDS_NO_CUDA], ids=lambda v: " ".join(v) if isinstance(v, list) else "")
 def test_bad_input_is_one_line_and_exit_2(args, message):
-    t0 = time.monotonic()
     proc = run_cli(*args)
-    assert_refused(proc, args[0], message)
+    assert_refused(proc, args[0], message)  # its one line is all it printed: no rank, no trace
     assert "starting" not in proc.stderr
-    assert time.monotonic() - t0 < 15  # only the checks ran: no rank, no trace
 
 
 @pytest.mark.parametrize("make, args, message", [

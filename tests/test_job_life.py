@@ -261,14 +261,15 @@ except Exception as e:
 
 @pytest.mark.parametrize("death", ["raise", "kill"])
 def test_a_dead_peer_ends_the_wait_as_soon_as_plain_would(tmp_path, death):
-    plain_kind, plain_s, _ = _dying_script(tmp_path, death, plain=True)
-    kind, seconds, err = _dying_script(tmp_path, death, plain=False)
+    plain_kind, _, _ = _dying_script(tmp_path, death, plain=True)
+    kind, _, err = _dying_script(tmp_path, death, plain=False)
     # plain's collective fails as soon as gloo sees the peer gone; fxcoalesce's agreement
     # sees it too (a note the peer left at exit, or its process gone from this host) and
-    # ends its wait at once: the same error, not 120 s of agree_timeout_s later
+    # ends its wait at once: the same error, not 120 s of agree_timeout_s later (how the wait
+    # ended, in its warning; not a wall time, which a loaded machine stretches)
     assert plain_kind == kind == "RuntimeError", (plain_kind, kind, err[-2000:])
-    assert seconds < plain_s + 10 and seconds < GROUP_TIMEOUT_S / 2, (seconds, plain_s)
     assert "ended before compiling this graph" in err, err[-2000:]
+    assert "to compile this graph; they did not" not in err, err[-2000:]
 
 
 # --- 5. logging between every pair of mergeable all_reduces, on rank 0 ---
