@@ -33,11 +33,17 @@ SLOW = {  # run by test_slow_readme_commands (pytest -m slow)
         "all_reduce launches  183 -> 123  (lower bound 123)",
         "all_reduce bytes     7870464 -> 5289984"],
 }
+CPU_ROUTE = ("python3 -m venv {venv} && {venv}/bin/pip install 'torch>=2.11,<2.16' "
+             "--index-url https://download.pytorch.org/whl/cpu")
+"""The README's CPU-only route: PyTorch's CPU wheel into the venv before the set-up command."""
 ELSEWHERE = {  # run in full by another test or script; here their options are parsed
     "python3 -m venv .venv-run && .venv-run/bin/pip install -e . && .venv-run/bin/fxcoalesce demo":
         ".ci/run",
     "python3 -m venv .venv && .venv/bin/pip install -q -e '.[dev]' && .venv/bin/python -m pytest -q":
         ".ci/run",
+    CPU_ROUTE.format(venv=".venv-run"): "by hand (PyTorch's CPU wheel index; "
+        "test_cpu_route_takes_the_torch_the_package_admits)",
+    CPU_ROUTE.format(venv=".venv"): "by hand (as above)",
     ".venv-run/bin/torchrun --standalone --nproc-per-node 2 examples/tp_parallel_block.py":
         "tests/test_examples.py",
     "fxcoalesce bench --model neox-tiny --tp 2": "by hand (3 min 17 s on 2 shared cores)",
@@ -145,6 +151,22 @@ def test_setup_commands_are_the_ones_ci_runs():
     for command in setup:
         assert command in shell_commands(readme_text()), f"README lost: {command}"
         assert command in ci, f".ci/run no longer runs: {command}"
+
+
+def test_cpu_route_takes_the_torch_the_package_admits():
+    """The CPU wheel asked for is one pyproject.toml takes, so ``pip install -e .`` keeps it
+    (a newer one would be replaced by PyPI's CUDA build), and it goes into the venv that the
+    set-up command after it uses."""
+    import tomllib
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    [torch] = [d for d in deps if re.match(r"torch\b", d)]
+    assert f"'{torch.replace(' ', '')}'" in CPU_ROUTE, (torch, CPU_ROUTE)
+    setup = {c.split()[3]: c for c, where in ELSEWHERE.items() if where == ".ci/run"
+             and "venv" in c}
+    for venv in (".venv-run", ".venv"):
+        assert setup[venv].startswith(f"python3 -m venv {venv} && {venv}/bin/pip install")
+        assert CPU_ROUTE.format(venv=venv) in shell_commands(readme_text())
 
 
 def test_every_readme_command_is_accounted_for():
