@@ -61,17 +61,25 @@ about its peers once the agreement is made, and how each assumption is kept:
   ranks whose graphs are specialized on different values (one reads the step under
   ``if rank == 0:``) will recompile apart later: :func:`decide` keeps the program's order
   for them from the start ("guards differ"), and a later graph of that function is not
-  waited for. Where a rank still re-cuts or recompiles a rewritten stretch alone, the tags
-  (``passes.tag``) make the first pairing with a peer that runs the rewrite fail its check
-  on every rank of the pair, before any value is returned; the argument is in that
-  module. (A rank whose recompile can still issue the agreed sequence keeps it.)
-- *They are alive.* A rank whose process ends leaves ``gone/<rank>`` in the store at exit,
-  and says where it runs (host, pid) when it starts, so a peer waiting for its proposal
-  stops at once; no wait is longer than the shortest timeout of the graph's groups.
+  waited for. A function some rank has compiled cut in two ways (a print only some steps
+  reach) is never rewritten ("cut varies"), and the ranks retire its earlier rewritten
+  graphs together, before any runs the new one (``runtime.Guarded``). Where a rank still
+  re-cuts or recompiles a rewritten stretch alone, the tags (``passes.tag``) make the first
+  pairing with a peer that runs the rewrite fail its check on every rank of the pair,
+  before any value is returned. (A rank whose recompile can still issue the agreed
+  sequence keeps it.) Graphs of the program's own order carry no tag: they pair with eager
+  code, skipped frames and other cuts exactly as plain ``torch.compile``'s graphs do.
+- *They are alive and compiling.* A rank whose process ends leaves ``gone/<rank>`` in the
+  store at exit, and says where it runs (host, pid) when it starts, so a peer waiting for
+  its proposal stops at once; a rank publishes how far it is in each group's stream every
+  half second (``exchange.heartbeat``), so a peer that runs the stretch uncompiled (a frame
+  Dynamo skipped) ends the wait at once; no wait is longer than the shortest timeout of the
+  graph's groups.
 
 Assumed at run time, beyond the program issuing the same collectives on every rank: the
-same ``Config`` on every rank, and every rank running compiled graphs (a rank that runs
-the stretch uncompiled, e.g. after Dynamo's recompile limit, issues untagged collectives:
+same ``Config`` on every rank, and a rank running compiled the functions it compiled and
+agreed to rewrite (a rank that runs such a function uncompiled later, e.g. after Dynamo's
+recompile limit on that rank alone, issues untagged collectives that meet tagged ones:
 gloo then aborts on the size, loudly; NCCL is not guaranteed to).
 """
 
@@ -249,6 +257,12 @@ def decide(proposals: dict[int, dict], steps: list[Step], check_ranks: bool) -> 
     if why:
         return {**entry, "step": last, "ws": 0, "nosymm": last, "how": "guards differ",
                 "why": why}
+    varied = sorted({(r, p["varied"]) for r, p in proposals.items() if p.get("varied")})
+    if varied:
+        r, fn = varied[0]
+        return {**entry, "step": last, "ws": 0, "nosymm": last, "how": "cut varies",
+                "why": f"rank {r} compiled {fn} cut into graphs in two ways (a graph break "
+                       "that only some calls reach): a rank may re-cut it alone later"}
 
     def agreed(i: int) -> bool:
         return all(proposals[r]["steps"][i]["seq"] == proposals[ranks[0]]["steps"][i]["seq"]
@@ -322,7 +336,9 @@ class Agreement:
     (an earlier step differed), "cut differently" (a peer compiles another graph here),
     "program differs" (a peer issues another collective here), "timed out", "peer gone" (a
     peer's process ended before it compiled this graph), "guards differ" (a rank's graph is
-    specialized on a value its peers' are not: it would recompile alone), "decided before"
+    specialized on a value its peers' are not: it would recompile alone), "cut varies" (a
+    rank compiled this function cut in two ways: it may again, alone), "runs uncompiled" (a
+    peer issued collectives here without compiling the graph), "decided before"
     (a recompile read the decision), "no wait" (every step issues the program's own sequence
     here, so any decision does), "" (not compared)."""
     differences: list[str] = field(default_factory=list)

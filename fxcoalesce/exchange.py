@@ -48,6 +48,36 @@ class Exchange:
 
     def __init__(self, store, rank: int, namespace: str):
         self.store, self.rank, self.ns = store, rank, namespace
+        self.joined = False
+
+    def new_id(self) -> int:
+        """A tag id no other decision in this store has (``passes.tag``): a counter in the
+        store. A process that used ids in an earlier store first moves the counter past
+        them (a group made anew keeps Dynamo's compiled graphs, and their ids)."""
+        from fxcoalesce.passes.tag import TAG_BITS
+
+        key = self._key("ids")
+        if not self.joined:
+            self.store.add(key, _MAX_ID[0])
+            self.joined = True
+        i = self.store.add(key, 1)
+        return (i - 1) % (2 ** TAG_BITS - 1) + 1
+
+    def stop(self, why: str) -> None:
+        """Say that this rank stops on purpose, and why (``runtime``)."""
+        self.store.set(self._key("stopped", self.rank), why)
+
+    def stopped(self) -> str | None:
+        """Why a rank of this store stopped on purpose, if one did (the first found)."""
+        key = self._key("stopped")
+        for r in range(dist.get_world_size() if dist.is_initialized() else 0):
+            if self.store.check([f"{key}/{r}"]):
+                return self.store.get(f"{key}/{r}").decode()
+        return None
+
+    def positions(self, rank: int) -> dict:
+        """``rank``'s last published stream positions (:func:`heartbeat`), by group name."""
+        return self._get(self._key("at", rank)) or {}
 
     def _key(self, *parts) -> str:
         return "/".join([self.ns, *map(str, parts)])
@@ -117,6 +147,16 @@ class RankEnv:
     alone: set = field(default_factory=set)
     """Functions (:func:`family`) whose graphs a rank recompiles alone: the ranks decided
     "guards differ" on one of them. A later graph of one is not waited for."""
+    rewritten: set = field(default_factory=set)
+    """Functions (:func:`family`) this rank runs a rewritten graph of: a later graph of one
+    carries tags (``passes.tag``)."""
+    retired: set = field(default_factory=set)
+    """Functions whose rewritten and tagged graphs this rank runs in the program's own order
+    from now on (``runtime.Guarded``): every rank of a decision "cut varies" retires them
+    together, before any runs the new graph."""
+    cuts: dict = field(default_factory=dict)
+    """Frame (:func:`frame_identity`) -> the cuts (:func:`cut_at`) this rank compiled it
+    with: a function cut in two ways is not rewritten (:func:`varied`)."""
 
 
 _ENVS: dict[int, RankEnv] = {}
@@ -132,8 +172,87 @@ def process_env() -> RankEnv:
         _ENVS[id(store)] = RankEnv(
             ex, members=lambda g: dist.get_process_group_ranks(_resolve(g)),
             position=lambda g: _position(_resolve(g)),
-            timeout=lambda g: group_timeout_s(_resolve(g)))
+            timeout=lambda g: group_timeout_s(_resolve(g)),
+            retired=RETIRED, cuts=CUTS)
+        heartbeat(store)
     return _ENVS[id(store)]
+
+
+RETIRED: set = set()
+CUTS: dict = {}
+"""This process's :attr:`RankEnv.retired` and :attr:`RankEnv.cuts` (Dynamo's compiled
+graphs outlive a process group; :attr:`RankEnv.rewritten` does not: a graph compiled in an
+earlier group runs in this one only where the ranks agreed on it again, ``runtime``)."""
+_MAX_ID = [0]
+"""The largest tag id this process has taken."""
+
+
+def seen(cuts: dict, frame: str, cut: str | None) -> None:
+    """Record that ``frame`` was compiled cut at ``cut`` (every graph through the backend)."""
+    if frame:
+        cuts.setdefault(frame, set()).add(cut)
+
+
+def varied(cuts: dict, frame: str) -> str | None:
+    """A frame of ``frame``'s function that this rank compiled cut in two ways (a print that
+    only some steps reach, a flag that changes), or None. Such a function can be re-cut
+    again later by a rank alone, and a graph cut the earlier way is cached untagged."""
+    fam = family(frame) if frame else None
+    for f, how in cuts.items():
+        if fam is not None and family(f) == fam and len(how) > 1:
+            return f.split("@")[0]
+    return None
+
+
+HEARTBEAT_S = 0.5
+_BEATING: set[int] = set()
+
+
+def heartbeat(store) -> None:
+    """Publish, every :data:`HEARTBEAT_S` from a daemon thread, how many collectives this
+    rank has issued on each of its groups (``at/<rank>``). A peer waiting for this rank's
+    proposal reads it: a count past where its graph starts means this rank runs that
+    stretch without compiling it (Dynamo skipped the frame, eager code), so the peer stops
+    waiting at once. The thread runs while this rank is blocked inside a collective (c10d
+    waits release the GIL); it stops when the store stops answering."""
+    import threading
+
+    if id(store) in _BEATING or not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        if dist.get_backend() == "fake" or dist.get_world_size() < 2:
+            return
+        key = f"{_namespace()}/at/{dist.get_rank()}"
+    except Exception:  # a group being torn down
+        return
+    _BEATING.add(id(store))
+
+    def beat():
+        last = None
+        while dist.is_initialized() and dist.distributed_c10d._get_default_store() is store:
+            time.sleep(HEARTBEAT_S)
+            try:
+                now = json.dumps(_all_positions(), sort_keys=True)
+            except Exception:  # groups made or torn down meanwhile: look again later
+                continue
+            if now == last:
+                continue
+            try:
+                store.set(key, now)
+            except Exception:  # the store's host is gone: nothing more to say
+                return
+            last = now
+
+    threading.Thread(target=beat, daemon=True, name="fxcoalesce-heartbeat").start()
+
+
+def _all_positions() -> dict:
+    out = {}
+    for group in list(dist.distributed_c10d._world.pg_names):
+        at = _position(group)
+        if at is not None:
+            out[group.group_name] = at
+    return out
 
 
 def group_timeout_s(group) -> float | None:
@@ -171,7 +290,8 @@ _ANNOUNCED: set[int] = set()
 def announce() -> None:
     """Say in the default group's store where this rank runs (``pid/<rank>``: host and
     process id), once per store, so a peer on this host that waits for it can tell at
-    once when its process has died (a SIGKILL leaves no ``gone`` note)."""
+    once when its process has died (a SIGKILL leaves no ``gone`` note); and start its
+    :func:`heartbeat` (when fxcoalesce is first used in the process, a backend made)."""
     if not (dist.is_available() and dist.is_initialized()):
         return
     try:
@@ -183,6 +303,7 @@ def announce() -> None:
         _ANNOUNCED.add(id(store))
         store.set(f"{_namespace()}/pid/{dist.get_rank()}",
                   json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
+        heartbeat(store)
     except Exception:  # a group being torn down: peers fall back to the timeouts
         return
 
@@ -234,6 +355,11 @@ class Outcome:
     """With ``check_ranks``: the difference to raise at the first call."""
     digests: list[str] = field(default_factory=list)
     """Of each step's sequence on this rank, in the rank-invariant form."""
+    tag: int = 0
+    """The decision's tag id (``passes.tag``)."""
+    tagged: bool = False
+    """The graph carries the tag: its step is rewritten, or a rank of the decision runs a
+    rewritten graph of its function (a re-cut or recompile of one)."""
 
 
 @dataclass(slots=True)
@@ -367,6 +493,9 @@ def agree_graph(name: str, cfg: Config, steps: list[Step], program: Sequence,
     (ranks that guard on different values keep the program's order)."""
     env = env or process_env()
     ex = env.exchange
+    seen(env.cuts, frame, cut)
+    fam = family(frame) if frame else ""
+    marked = bool(fam) and fam in env.rewritten
     canon, prog, texts = canonical(program, *sequences)
     groups = [g for g in canon.roles if g is not None]
     members = {g: env.members(g) for g in groups}
@@ -386,7 +515,8 @@ def agree_graph(name: str, cfg: Config, steps: list[Step], program: Sequence,
                                   how="decided before", why=_DECIDED,
                                   ranks=list(mine.entry["ranks"]))
             return Outcome(step, agreement, key=d, digests=digests,
-                           ws=mine.entry.get("ws", 0), nosymm=mine.entry.get("nosymm"))
+                           ws=mine.entry.get("ws", 0), nosymm=mine.entry.get("nosymm"),
+                           tag=mine.entry.get("id", 0), tagged=mine.entry.get("tagged", False))
     committed = mine is not None and mine.rewritten
     if mine is None:
         mine = env.local[d] = _Local()
@@ -399,10 +529,11 @@ def agree_graph(name: str, cfg: Config, steps: list[Step], program: Sequence,
     run.proposal = ex.propose(key, {
         "groups": [[g, members[g]] for g in groups],
         "pos": {g: env.position(g) for g in groups}, "guards": guards or [],
+        "marked": marked, "varied": varied(env.cuts, frame),
         "steps": [{"seq": t, "ws": w} for t, w in zip(texts, workspaces)]})
     ex.note({"d": key, "pos": run.proposal["pos"], "cut": cut,
              "first": {g: _first(program, g) for g in groups}})
-    if evident and not check_ranks and not committed:
+    if evident and not check_ranks and not committed and not marked:
         # every step issues the program's sequence here: so does any decision (it agrees
         # with this proposal), whatever and whenever it is made
         out = Outcome(0, Agreement(compared=True, step=steps[-1].label, how="no wait",
@@ -410,10 +541,14 @@ def agree_graph(name: str, cfg: Config, steps: list[Step], program: Sequence,
         run.noted(texts[0])
         return out
     entry, how, waited = run.wait()
+    if how == "cut varies" and fam:  # every rank of the closure is here: retire together
+        env.retired.add(fam)
+        env.rewritten.discard(fam)
     agreement = run.agreement(entry, how, waited)
     out = Outcome(entry["step"], agreement, key=d, fresh=how in FRESH,
                   nosymm=entry.get("nosymm"), ws=entry.get("ws", 0), error=entry.get("error"),
-                  digests=digests)
+                  digests=digests, tag=entry.get("id", 0), tagged=entry.get("tagged", False))
+    _MAX_ID[0] = max(_MAX_ID[0], out.tag)
     if committed and how not in FRESH and out.error is None:
         _changed(out, cfg, name, agreement.step)  # the peers issue the old rewrite
     mine.entry, mine.active = {**entry, "active_step": entry["step"]}, entry["digest"]
@@ -425,6 +560,8 @@ def agree_graph(name: str, cfg: Config, steps: list[Step], program: Sequence,
         else:
             out.step, out.fresh = step, False
     mine.entry["active_step"] = out.step
+    if fam and digests[out.step] != digests[-1]:
+        env.rewritten.add(fam)
     run.noted(texts[out.step])
     return out
 
@@ -494,6 +631,7 @@ class _Run:
         self.program, self.canon, self.check_ranks = program, canon, check_ranks
         self.rank, self.proposal, self.cut, self.family = self.ex.rank, {}, None, None
         self.inside: str | None = None
+        self.proposals: dict[int, dict] = {}
 
     def _entry_of(self, entries: list[dict]) -> dict | None:
         return next((e for e in entries if self.rank in e["ranks"]), None)
@@ -502,7 +640,7 @@ class _Run:
         """(the decision entry naming this rank, how it was reached, seconds waited)."""
         t0, pause = time.monotonic(), POLL_S[0]
         limit, bound = self._limit()
-        proposals: dict[int, dict] = {self.rank: self.proposal}
+        proposals = self.proposals = {self.rank: self.proposal}
         while True:
             entry = self._entry_of(self.ex.entries(self.d))
             if entry is None:
@@ -526,8 +664,8 @@ class _Run:
                     why = (f"rank(s) {gone} ended before compiling this graph (their "
                            "processes exited)")
                     entry = self._add(self._fallback(closure, "peer gone", why))
-                elif (seen := self._evidence(closure)) is not None:
-                    entry = self._add(self._fallback(closure, *seen))
+                elif (seen_ := self._evidence(closure) or self._uncompiled(missing)):
+                    entry = self._add(self._fallback(closure, *seen_))
                 elif time.monotonic() - t0 > limit:
                     why = (f"waited {limit:g} s ({bound}) for rank(s) {missing} to compile "
                            "this graph; they did not (they never reach it, cut the program "
@@ -557,7 +695,8 @@ class _Run:
             log.warning("fxcoalesce[%s]: the program itself issues different collectives on "
                         "different ranks (%s); it runs as written, as plain torch.compile "
                         "would run it", self.name, entry["why"])
-        elif how in ("timed out", "cut differently", "peer gone", "guards differ"):
+        elif how in ("timed out", "cut differently", "peer gone", "guards differ", "cut varies",
+                     "runs uncompiled"):
             hazard = (_HAZARD if how == "timed out" and any(v.rewritten for v in
                                                              self.env.local.values()) else "")
             cut = " (the ranks cut the program into graphs differently)" if (
@@ -572,16 +711,33 @@ class _Run:
 
     def _add(self, entry: dict) -> dict:
         seqs = self.proposal["steps"]
-        entry = {**entry, "digest": _digest(seqs[entry["step"]]["seq"])}
+        digest = _digest(seqs[entry["step"]]["seq"])
+        marked = any(p.get("marked") for p in self.proposals.values())
+        entry = {**entry, "digest": digest, "id": self.ex.new_id(),
+                 "tagged": self.cfg.run_checks and entry["how"] != "cut varies" and (
+                     marked or digest != _digest(seqs[-1]["seq"]))}
         return self._entry_of(self.ex.add(self.d, entry)) or entry
 
+    def _uncompiled(self, missing: list[int]) -> tuple[str, str] | None:
+        """(how, why) when a missing peer has issued collectives past where this graph
+        starts without proposing it (:func:`heartbeat`): it runs this stretch uncompiled
+        (Dynamo skipped the frame on that rank, or it runs eager code there)."""
+        for q in missing:
+            theirs = self.ex.positions(q)
+            for g, at in self.proposal["pos"].items():
+                if at is not None and theirs.get(g, -1) > at:
+                    return "runs uncompiled", (
+                        f"rank {q} issued collective {theirs[g] - 1} of group {g} without "
+                        f"compiling this graph, which starts at collective {at}: it runs "
+                        "this stretch uncompiled (Dynamo skipped the frame there, or it is "
+                        "eager code on that rank)")
+        return None
+
     def _fallback(self, closure: set[int], how: str, why: str) -> dict:
-        """The program's own order for ``closure``, tagged like every graph of the program's
-        order (``passes.tag``): whatever graph a peer runs at that place, compiled through
-        fxcoalesce, its collectives there carry tags too, so the pairing is checked. (Tags
-        on or off by a guess per graph, "the peer may run it uncompiled", let two graphs of
-        the program's order pair a tagged all_reduce with an untagged one: the 10k job
-        property run, seed 1485311774.)"""
+        """The program's own order for ``closure``: right however each rank cuts the
+        program, and untagged unless a rank runs a rewritten graph of the function
+        (``passes.tag``): then it pairs with whatever a peer runs at that place exactly as
+        plain ``torch.compile``'s graphs would."""
         last = program_step(self.steps)
         entry = {"ranks": sorted(closure), "step": last, "nosymm": last, "ws": 0, "how": how,
                  "why": why, "differences": [why] if how == "program differs" else []}

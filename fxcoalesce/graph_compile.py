@@ -23,8 +23,9 @@ from dataclasses import dataclass, field, replace
 from . import compile_cache
 from .agreement import ladder, must_compare
 from .collectives import find_comm_blocks, program_sequence, sequence_after
+from .collectives import group_of as group_of_node
 from .config import Config
-from .exchange import (Outcome, agree_graph, cut_at, frame_identity, guard_keys,
+from .exchange import (CUTS, Outcome, agree_graph, cut_at, frame_identity, guard_keys, seen,
                        without_symm)
 from .lowering import lowered_bytes, symm_problem
 from .pipeline import emit_graph, run_pipeline
@@ -132,7 +133,8 @@ def rewrite_agreed(gm, cfg: Config, name: str, check_ranks: bool, *,
         new, report = run_pipeline(gm, replace(steps[-1].config, dump_dir=None),
                                    name=name, record=False, emit=False)
     if outcome.error is None and cfg.run_checks:
-        new = tagged(gm, new, outcome, name)
+        new = tagged(gm, new, outcome, name,
+                     frame=frame if frame is not None else frame_identity())
     # what agreeing added to this compile: the pipeline at the other steps, the exchange
     first_ms = (built[0][1].total_ms or 0.0) if built[0][1] is not None else 0.0
     report.agreement = {**outcome.agreement.as_dict(),
@@ -175,24 +177,48 @@ def ladder_runs(gm, cfg: Config, name: str, program: Sequence) -> tuple[list, li
     return steps, built
 
 
-def tagged(gm, new, outcome: Outcome, name: str, world: Callable | None = None):
-    """``new`` with its run-time tags (``passes.tag``): every all_reduce of a graph in the
-    program's own order, the first of a rewritten one. ``world(group name)``: a group's
-    size (by default the process group's)."""
+def tagged(gm, new, outcome: Outcome, name: str, world: Callable | None = None,
+           frame: str = ""):
+    """``new`` with its run-time tag (``passes.tag``) where the decision says so
+    (``outcome.tagged``: a rewritten graph, or a re-cut or recompile of a function a rank
+    rewrote), else ``new`` as it is. ``world(group name)``: a group's size (by default the
+    process group's)."""
     from fxcoalesce.passes.tag import tag_pass
 
     from .collectives import group_of
     from .pipeline import copy_graph_module
     from .rank_check import _resolve
 
+    if not (outcome.tagged and outcome.tag):
+        return new
     size = world or (lambda g: _resolve(g).size())
     if new is gm:
         new = copy_graph_module(gm)
-    rewritten = outcome.digests[outcome.step] != outcome.digests[-1]
-    lines = tag_pass(new, rewritten=rewritten, world=lambda n: size(group_of(n)),
-                     key=outcome.key, digest=outcome.digests[outcome.step], where=name)
+    lines = tag_pass(new, outcome.tag, world=lambda n: size(group_of(n)), where=name)
     outcome.agreement.checks = lines
+    if frame:
+        opens(frame, new)
     return new
+
+
+def opens(frame: str, gm) -> None:
+    """Remember how ``gm``, a tagged graph of ``frame``, opens (its first tagged all_reduce:
+    group, op, dtype, elements with the tag): what a rank that must stop while its peers
+    start it sends them (``runtime``)."""
+    from fxcoalesce.meta import tensor_val
+    from fxcoalesce.passes.tag import CHECKED
+
+    first = next((n for n in gm.graph.nodes if n.meta.get(CHECKED) is not None), None)
+    val = tensor_val(first.args[0]) if first is not None else None
+    if val is not None and isinstance(val.numel(), int):
+        OPENS[frame] = (group_of_node(first), str(first.args[1]), val.dtype, val.numel(),
+                        str(val.device))
+    else:
+        OPENS.pop(frame, None)
+
+
+OPENS: dict = {}
+"""Frame -> how its last tagged graph opens (:func:`opens`)."""
 
 
 def _symm(sequence: Sequence) -> bool:
@@ -235,6 +261,7 @@ class GraphCompile:
         self.closed = False
         self.check_ranks = False
         self.frame, self.cut, self.guards = frame_identity(), cut_at(), guard_keys()
+        seen(CUTS, self.frame, self.cut)
         self.agreement: dict | None = None
         """How the ranks agreed, from an attempt redone under the agreed step's key."""
 

@@ -196,6 +196,13 @@ REMEDIES = {
                  "Config.agree_timeout_s (FXCOALESCE_AGREE_TIMEOUT); if they never compile "
                  "it, they cut the program elsewhere: keep graph breaks alike on every rank",
     "peer gone": "a peer's process ended: see its log",
+    "cut varies": "keep graph breaks the same at every call: a print or log call that only "
+                  "some steps reach cuts those steps' graphs (torch._dynamo.config."
+                  "reorderable_logging_functions.add(print) keeps it whole), or log outside "
+                  "the compiled function",
+    "runs uncompiled": "a peer runs this stretch without compiling it (Dynamo skipped the "
+                       "frame there: a graph break inside a loop, torch.compiler.disable, "
+                       "the recompile limit); keep graph breaks alike on every rank",
     "guards differ": "read that value on every rank, or move the rank-dependent part "
                      "(logging on rank 0) out of the compiled function; "
                      "torch._dynamo.config.reorderable_logging_functions.add(print) keeps a "

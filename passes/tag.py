@@ -1,68 +1,63 @@
-"""Run-time proof that peers issue the same collectives: a tag at the end of all_reduces.
+"""Run-time proof that peers run the same graph: a tag at the end of an all_reduce.
 
-The agreement (``agreement``) covers compiles; a rank can re-cut or recompile an agreed
-graph later, alone, while its peers keep running the rewrite. Then, at run time, ranks'
-collectives pair with different ones: silently wrong values when the sizes match, a gloo
-abort or an NCCL hang when they do not. A tag makes such a pairing loud on every rank:
+The agreement (``agreement``) covers compiles; a rank can re-cut or recompile an agreed,
+rewritten graph later, alone, while its peers keep running the rewrite. Then, at run time,
+ranks' collectives pair with different ones: silently wrong values when the sizes match, a
+transport abort when they do not. A tag makes such a pairing loud on every rank:
 
-    before                                   after (tag t, world size W)
-    %ar = all_reduce(%x, "sum", g)           %cat = cat([reshape(%x, [-1]), full([1], t)])
+    before                                   after (tag id i, K = TAG_BITS)
+    %ar = all_reduce(%x, "sum", g)           %cat = cat([reshape(%x, [-1]), bits(i)])
     %w  = wait_tensor(%ar)                   %ar  = all_reduce(%cat, "sum", g)
     %y  = add(%w, %r)                        %w   = wait_tensor(%ar)
-                                             _assert_async(all(eq(%w[n:], W * t)), ...)
+                                             _assert_async(agree(%w[n:], bits(i)), ...)
                                              %y   = add(view(%w[:n], shape(%x)), %r)
 
-Which all_reduces carry a tag (:func:`plan`), for every graph whose ranks agree on it
-(``agreement.must_compare``: peers exist and the passes could change the sequence):
+**Which graphs carry tags** (``graph_compile.tagged``): only where a divergence can start.
+A graph that issues the program's own collectives pairs with whatever a peer runs at that
+place (another cut, eager code, a frame Dynamo skipped or gave up recompiling), exactly as
+under plain ``torch.compile``: it carries no tag, unless its function already runs a
+rewritten graph on this rank (then this graph is a re-cut or recompile of a rewritten
+stretch, and the rank knows it: ``exchange.RankEnv.rewritten``). So: every rewritten graph,
+and every graph of a function this rank has rewritten before. Each such graph carries the
+id of the decision it runs (``exchange``: handed out by a counter in the store, so two
+decisions never share one; all ranks that run one decision carry its id).
 
-- a graph that issues the program's own sequence: every tagged-kind all_reduce, tag
-  :data:`PROGRAM_TAG`;
-- a rewritten graph: in each of its groups, its first all_reduce there, tag
-  ``rewrite_tag(key, digest)`` (a power of two other than the program's), whose check must
-  pass before the graph issues anything more (the next collective reads it), except in a
-  group whose collectives all come after such a check in a group holding all its ranks
-  (:func:`checked_firsts`). That all_reduce must look like the program's first one of the
-  group at that place (same kind, dtype, op and element count, and the same collectives of
-  the group before it: :func:`compatible`); a step where it does not issues the program's
-  own sequence instead.
+**Which all_reduces** (:func:`plan`): in each group, the graph's first all_reduce there
+(:func:`checked_firsts`), whose check must pass before the graph issues anything more (the
+next collective reads it), except in a group whose collectives all come after such a check
+in a group holding all its ranks. In a rewritten graph that all_reduce keeps the program's
+first all_reduce of the group (:func:`pinned`: never bucketed, sliced or lowered; a sum
+keeps its size), behind the same collectives (:func:`compatible`).
 
-Why that is enough (assuming, as ``agreement`` does, that the program issues the same
-collectives on every rank): take the first point of a group's stream where two ranks issue
-different collectives, tags included. Two graphs of the program's own order issue the same
-collectives there, and two ranks that issued the same rewrite tag in that group before it
-run the same rewritten graph, which issues the same collectives in the group on both; so
-one rank starts the group's part of a rewritten graph there, and the other issues, at that
-point of the program, either the program's own collective (tagged: the same element count,
-by :func:`compatible`) or the first all_reduce of another rewritten graph in that group
-(also tagged, also that count). The sizes match, so the transport pairs them, and both tags
-differ: every rank of the pair fails its check at that collective, and the rewritten side
-issues nothing more (its next collective reads the check). In a group whose collectives
-all follow the check of a group holding its ranks, every rank of the group passed that
-check, so all of them run this rewritten graph, which issues the same collectives there.
-No wrong value reaches the user on any rank. (Per group, not per graph: a graph over a TP
-group and the world group whose first tag, in the TP group, paired with a peer running the
-same rewrite can still meet, in the world group, a rank that re-cut alone: the
-life-of-the-job property test found it, seed 1072165311.)
+**Why that is enough** (assuming, as ``agreement`` does, that the program issues the same
+collectives on every rank, and that a rank runs compiled a function it compiled before).
+Take the first point of a group's stream where two ranks issue different collectives. Two
+untagged graphs issue the program's own collectives there, and so do a tagged and an
+untagged one of the same stretch only if neither is rewritten; so one rank starts there a
+tagged graph (rewritten, or a re-cut of a function it rewrote), and the other starts there
+another tagged graph of the same function (its peers ran the rewrite before, so it did too).
+Both first all_reduces are the program's first one there, tag included: same size, the
+transport pairs them, and their ids differ (two graphs, two decisions): every rank of the
+pairing fails its check there, and the next collective of each reads the check. No wrong
+value is returned on any rank.
 
-Tag values are powers of two whose exponents are multiples of ``c = ceil(log2 W) + 1`` (the
-program's own is 2**0): W of them sum to W times one of them only if all are that one (as
-digits in base 2**c, each count at most W < 2**c), and rounding in a float dtype with at
-least 8 significand bits cannot close the gap (the lower digits add less than half the top
-one), so every rank's one comparison decides, in floats and integers; a mean likewise.
-Max and min carry ``[t, -t]`` (a max alone would pass on the rank holding the largest tag).
-(Plain powers of two would not do: on 4 ranks 1 + 1 + 2 + 4 = 4 * 2 passes the check of the
-rank that sent 2: the property test in ``tests/test_tag.py`` found it.) Product all_reduces
-are not tagged (exponents add: no such argument).
+**The tag**: id ``i`` (1 <= i < 2**K) as K bits ``b``, sent as ``[b, 1 - b]``: 2K elements,
+each 0 or 1. After a sum every pair adds to the number of ranks N, after a mean, max or min
+to 1; every rank checks ``tail == [b, 1 - b] * (pair sums)``, which holds on one rank exactly
+when it holds on all, with every pair sum above 0: when every rank sent the same bits.
+(Two ranks with different bits at position j: the sum is strictly between 0 and N, the
+mean between 0 and 1, the max of the pair 1 and 1, the min 0 and 0, which the pair sum
+above 0 rules out: neither rank's expectation.) No world size is baked in
+(a group made smaller later checks alike), and the values are small integers, exact in every
+dtype that carries a tag (bfloat16 counts exactly to 256 ranks; a mean to 128).
 
-What the tag costs: one element per tagged all_reduce (two for max/min), the copy into
-the tagged buffer where the producer cannot write there itself, and one small kernel for
-the check (``benchmarks/NOTES.md`` has the measured figures).
+What the tag costs: 2K elements per tagged all_reduce, the copy into the tagged buffer
+where the producer cannot write there itself, and one small kernel for the check
+(``benchmarks/NOTES.md`` has the measured figures); graphs of the program's order: nothing.
 """
 
 from __future__ import annotations
 
-import hashlib
-import math
 from collections.abc import Callable
 
 import torch
@@ -78,28 +73,20 @@ from .emit import Emitter
 aten = torch.ops.aten
 MESSAGE_START = "fxcoalesce: at run time a peer issued another collective"
 """How every check's message starts (``runtime.Guarded`` recognises it)."""
-PROGRAM_TAG = 1.0
-"""The tag of every all_reduce issued in the program's own order (2**0)."""
-MAX_EXPONENT = 60
-"""Tags stay at or below 2**60 (a readable message; no overflow in a wide dtype)."""
-SLOTS = {"sum": 1, "avg": 1, "max": 2, "min": 2}
-"""Tag elements per reduce op; ops not listed are issued untagged (on every rank alike)."""
+TAG_BITS = 16
+"""Bits of a tag id: 2 * TAG_BITS elements per tagged all_reduce."""
+OPS = ("sum", "avg", "max", "min")
+"""Reduce ops a tag rides on; others (product) are issued untagged (on every rank alike)."""
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32,
+          torch.int64)
+MAX_WORLD = 128
+"""The largest group a tag is exact in (bfloat16's mean)."""
 CHECKED = "fxcoalesce_tag"
-"""Node meta key on a tagged all_reduce: its tag."""
+"""Node meta key on a tagged all_reduce: its tag id."""
 
 
 class TagMismatchError(RuntimeError):
     """Raised by a tag check: ranks paired different collectives at run time."""
-
-
-def _max_exponent(dtype: torch.dtype) -> int | None:
-    if dtype.is_floating_point:
-        if torch.finfo(dtype).bits < 16 or dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            return None
-        return int(math.log2(torch.finfo(dtype).max))
-    if dtype in (torch.int32, torch.int64):
-        return torch.iinfo(dtype).bits - 2
-    return None
 
 
 def taggable(node: Node, world: int) -> bool:
@@ -110,39 +97,27 @@ def taggable(node: Node, world: int) -> bool:
 
 def taggable_value(op: str, dtype: torch.dtype, world: int) -> bool:
     """Is an all_reduce of ``op`` over ``dtype`` on ``world`` ranks tagged?"""
-    return op in SLOTS and _max_exponent(dtype) is not None and _exponents(dtype, world, op) > 0
+    return op in OPS and dtype in DTYPES and world <= MAX_WORLD
 
 
-def spacing(world: int) -> int:
-    """``c``: tag exponents are multiples of it (module docstring)."""
-    return math.ceil(math.log2(max(world, 2))) + 1
+def bits(tag: int) -> list[int]:
+    """What a rank sends for tag id ``tag``: its K bits, then their complements."""
+    if not 0 < tag < 2 ** TAG_BITS:
+        raise ValueError(f"tag id {tag} is not in 1..{2 ** TAG_BITS - 1}")
+    b = [(tag >> j) & 1 for j in range(TAG_BITS)]
+    return b + [1 - x for x in b]
 
 
-def _exponents(dtype: torch.dtype, world: int, op: str) -> int:
-    """How many rewrite tags (2**c, 2**2c, ... 2**Kc) ``dtype`` reduces exactly on ``world``
-    ranks (with room for W times the largest)."""
-    top = min(_max_exponent(dtype) or 0, MAX_EXPONENT)
-    headroom = math.ceil(math.log2(max(world, 1)))
-    return max(0, (top - headroom) // spacing(world))
+def agrees(tail: torch.Tensor, tag: int) -> bool:
+    """Did every rank send ``tag`` (``tail``: what the tag elements reduced to)?"""
+    sent = torch.tensor(bits(tag), dtype=tail.dtype, device=tail.device)
+    n = _pair_sums(tail)
+    return bool(torch.equal(tail, sent * n) and (n > 0).all())
 
 
-def rewrite_tag(key: str, digest: str, dtype: torch.dtype, world: int, op: str) -> float:
-    """The tag of a rewritten graph's first all_reduce: 2**(c*i), i >= 1, from the graph's
-    program key and the digest of the sequence it issues (equal on every rank that runs that
-    rewrite, different for another rewrite but for a 1-in-K coincidence)."""
-    h = int(hashlib.sha256(f"{key}/{digest}".encode()).hexdigest()[:12], 16)
-    return float(2 ** (spacing(world) * (1 + h % _exponents(dtype, world, op))))
-
-
-def expected(op: str, tag: float, world: int) -> list[float]:
-    """What the tag elements reduce to when every rank sent ``tag``."""
-    if op == "sum":
-        return [world * tag]
-    return [tag, -tag] if SLOTS[op] == 2 else [tag]
-
-
-def _sent(op: str, tag: float) -> list[float]:
-    return [tag, -tag] if SLOTS[op] == 2 else [tag]
+def _pair_sums(tail: torch.Tensor) -> torch.Tensor:
+    half = tail[:TAG_BITS] + tail[TAG_BITS:]
+    return torch.cat([half, half])
 
 
 def checked_firsts(collectives: list[Node]) -> dict[str | None, Node]:
@@ -260,28 +235,31 @@ def compatible(program: GraphModule, rewritten: GraphModule) -> str | None:
     return None
 
 
-def plan(gm: GraphModule, *, rewritten: bool, world: Callable[[Node], int]) -> list[Node]:
-    """The all_reduces of ``gm`` that carry a tag: every taggable one in a graph of the
-    program's own order; in a rewritten graph, the :func:`checked_firsts` (and the
-    collective after each, made to read its check, when that one is a taggable all_reduce:
-    on the host, everything after it is issued after the check)."""
+def plan(gm: GraphModule, *, world: Callable[[Node], int]) -> list[tuple[Node, str]]:
+    """The all_reduces of a tagged graph ``gm`` that carry something, in issue order: the
+    :func:`checked_firsts` carry the tag (``"tag"``), and the collective after each, when it
+    is a taggable all_reduce, one element made from that check (``"gate"``): on the host it
+    cannot be issued before the check passed, so a mispairing stops at the first collective,
+    before a second (of another size, which gloo aborts on) is on the wire."""
     nodes = [n for n in gm.graph.nodes if is_collective(n)]
-    if not rewritten:
-        return [n for n in nodes if taggable(n, world(n))]
-    out = set()
+    roles: dict[Node, str] = {}
     for first in checked_firsts(nodes).values():
         if taggable(first, world(first)):
+            roles[first] = "tag"
             after = nodes[nodes.index(first) + 1:]
-            out |= {first, *(n for n in after[:1] if taggable(n, world(n)))}
-    return sorted(out, key=nodes.index)
+            for n in after[:1]:
+                if taggable(n, world(n)):
+                    roles.setdefault(n, "gate")
+    return sorted(roles.items(), key=lambda kv: nodes.index(kv[0]))
 
 
-def tag_pass(gm: GraphModule, *, rewritten: bool, world: Callable[[Node], int], key: str = "",
-             digest: str = "", where: str = "") -> list[str]:
-    """Tag the planned all_reduces of ``gm`` in place; returns one line per tag. ``where``
-    names the graph in the error a failed check raises."""
-    tagged = plan(gm, rewritten=rewritten, world=world)
-    if not tagged:
+def tag_pass(gm: GraphModule, tag: int, *, world: Callable[[Node], int], where: str = ""
+             ) -> list[str]:
+    """Tag the planned all_reduces of ``gm`` in place with tag id ``tag``; returns one line
+    per tagged or gated all_reduce. ``where`` names the graph in the error a failed check
+    raises."""
+    planned = plan(gm, world=world)
+    if not planned:
         return []
     from fxcoalesce.analysis import analyze
 
@@ -289,65 +267,60 @@ def tag_pass(gm: GraphModule, *, rewritten: bool, world: Callable[[Node], int], 
     blocks = {b.collective: b for b in analysis.scan.blocks}
     barriers = set(analysis.barriers)
     mode = fake_mode_of(gm.graph.nodes)
-    lines, last = [], None  # the last check and its message: the next tag reads it
-    for i, node in enumerate(tagged):
+    said = message(where, tag)
+    lines, last = [], None  # the last check: what is issued next reads it
+    for node, role in planned:
         block = blocks.get(node)
         if block is None:  # not an analysable all_reduce (several waits): left as it is
             continue
-        op, ws = str(node.args[1]), world(node)
-        dtype = tensor_val(node.args[0]).dtype
-        tag = (PROGRAM_TAG if not rewritten
-               else rewrite_tag(key, f"{digest}/{i}", dtype, ws, op))
-        said = message(where, op, tag)
-        ok = _tag_one(gm, block, op, tag, ws, mode,
-                      after_check=last if rewritten else None, message=said)
-        last = (ok, said)
-        lines.append(f"{node.name}: tag {tag:g}, {op}")
-    if rewritten:  # each tagged collective now reads the check before it: issued after it
-        reorder(gm.graph, barriers=barriers)  # side effects keep their place
-    gm.graph.lint()
+        if role == "tag":
+            last = _tag_one(gm, block, tag, mode, after_check=last, message=said)
+            lines.append(f"{node.name}: tag {tag}, {node.args[1]}")
+        elif last is not None:
+            _carry(gm, block, mode,
+                   lambda emit, val, check=last: _gated(emit, val, check, said, 1))
+            lines.append(f"{node.name}: issued after the check")
+    reorder(gm.graph, barriers=barriers)  # each reads the check before it; side effects
+    gm.graph.lint()                      # keep their place
     gm.recompile()
     return lines
 
 
-def message(where: str, op: str, tag: float) -> str:
+def message(where: str, tag: int) -> str:
     """The check's error: short (CUDA's device assert takes under 255 characters) and plain
     (it is embedded in generated C++ as a string literal: no quotes or backslashes); the
     wrapper (``runtime.Guarded``) adds what to do where it can."""
-    text = (f"{MESSAGE_START} than this rank here ({where[:40]}, tag {tag:.3g}): it runs "
+    text = (f"{MESSAGE_START} than this rank here ({where[:40]}, tag {tag}): it runs "
             "another graph (it re-cut or recompiled alone a stretch the ranks agreed to run "
             "rewritten). No wrong value was returned")
     return text[:250]
 
 
-def _tag_one(gm: GraphModule, block, op: str, tag: float, world: int, mode, *, after_check,
-             message: str) -> Node:
-    """Tag one all_reduce (``block``): append the tag to (a copy of) its input, check what
-    the tag reduced to after its wait, and hand its consumers a view of the rest.
-    ``after_check``: (a check, its message) that must pass before this collective is issued
-    (its tag reads it). Returns this tag's check result. (Sending the tag as a second
-    tensor of one coalesced launch instead, which saves the copy, measured no faster on one
-    H200: ``benchmarks/NOTES.md``.)"""
+def _gated(emit, val, check, said: str, width: int, sent=None):
+    """``sent`` (zeros of ``width`` by default), made only once ``check`` holds: on CUDA the
+    check's assert runs first in stream order (NaN otherwise), on the host a failed check
+    raises before the collective that sends it is issued."""
+    if sent is None:
+        sent = emit(aten.full.default, [width], 0, dtype=val.dtype, device=val.device,
+                    pin_memory=False)
+    if val.device.type == "cuda":
+        nan = emit(aten.full.default, [width], float("nan"), dtype=val.dtype,
+                   device=val.device, pin_memory=False)
+        return emit(aten.where.self, check, sent, nan)
+    return emit(torch.ops.fxcoalesce.tag_after.default, check, sent, said)
+
+
+def _carry(gm: GraphModule, block, mode, extra) -> tuple[Node, Node]:
+    """Append ``extra(emit, val)`` to (a copy of) ``block``'s all_reduce input and hand its
+    consumers a view of the rest; returns (the appended elements sent, what they reduced
+    to)."""
     from fxcoalesce.meta import propagate_val
 
     node, wait = block.collective, block.wait
     x = node.args[0]  # as it is now: an earlier tag may have rewired it
     val = tensor_val(x)
-
-    def full(emit, values):
-        parts = [emit(aten.full.default, [1], v, dtype=val.dtype, device=val.device,
-                      pin_memory=False) for v in values]
-        return parts[0] if len(parts) == 1 else emit(aten.cat.default, parts)
-
     emit = Emitter(gm.graph, before=node, mode=mode)
-    sent = full(emit, _sent(op, tag))
-    if after_check is not None:  # issued only once the previous tag checked out
-        check, said = after_check
-        if val.device.type == "cuda":  # stream order: the check's assert runs first
-            sent = emit(aten.where.self, check, sent,
-                        full(emit, [float("nan")] * SLOTS[op]))
-        else:  # the host raises before it issues this collective
-            sent = emit(torch.ops.fxcoalesce.tag_after.default, check, sent, said)
+    sent = extra(emit, val)
     numel = val.numel()
     if not isinstance(numel, int):
         numel = emit(aten.sym_numel.default, x)
@@ -358,16 +331,46 @@ def _tag_one(gm: GraphModule, block, op: str, tag: float, world: int, mode, *, a
     users = list(wait.users)
     emit = Emitter(gm.graph, after=wait, mode=mode)
     tail = emit(aten.slice.Tensor, wait, 0, numel, None)
-    ok = emit(aten.eq.Tensor, tail, full(emit, expected(op, tag, world)))
-    if SLOTS[op] == 2:  # ops Inductor lowers as they are (no decomposition runs after us)
-        ok = emit(aten.logical_and.default, emit(aten.select.int, ok, 0, 0),
-                  emit(aten.select.int, ok, 0, 1))
-    emit(aten._assert_async.msg, ok, message)
     data = emit(aten.slice.Tensor, wait, 0, 0, numel)
     shape = [s if isinstance(s, int) else emit(aten.sym_size.int, x, d)
              for d, s in enumerate(val.shape)]
     out = emit(aten.view.default, data, shape)
     for u in users:
         u.replace_input_with(wait, out)
-    node.meta[CHECKED] = tag
+    return sent, tail
+
+
+def _tag_one(gm: GraphModule, block, tag: int, mode, *, after_check, message: str) -> Node:
+    """Tag one all_reduce (``block``) with tag id ``tag`` (:func:`bits`) and check what the
+    tag reduced to after its wait. ``after_check``: a check that must pass before this
+    collective is issued. Returns this tag's check result. (Sending the tag as a second
+    tensor of one coalesced launch instead, which saves the copy, measured no faster on one
+    H200: ``benchmarks/NOTES.md``.)"""
+    pattern = sum(b << j for j, b in enumerate(bits(tag)))
+    width = 2 * TAG_BITS
+    made = {}
+
+    def sent_bits(emit, val):
+        word = emit(aten.full.default, [width], pattern, dtype=torch.int64,
+                    device=val.device, pin_memory=False)
+        shift = emit(torch.ops.prims.iota.default, width, start=0, step=1, dtype=torch.int64,
+                     device=val.device, requires_grad=False)
+        ones = emit(aten.bitwise_and.Scalar, emit(aten.bitwise_right_shift.Tensor, word, shift),
+                    1)
+        made["bits"] = emit(torch.ops.prims.convert_element_type.default, ones, val.dtype)
+        if after_check is None:
+            return made["bits"]
+        return _gated(emit, val, after_check, message, width, sent=made["bits"])
+
+    _, tail = _carry(gm, block, mode, sent_bits)
+    emit = Emitter(gm.graph, after=tail, mode=mode)
+    half = emit(aten.add.Tensor, emit(aten.slice.Tensor, tail, 0, 0, TAG_BITS),
+                emit(aten.slice.Tensor, tail, 0, TAG_BITS, None))
+    want = emit(aten.mul.Tensor, made["bits"], emit(aten.cat.default, [half, half]))
+    bad = emit(aten.logical_or.default,  # ops Inductor lowers as they are (no
+               emit(aten.any.default, emit(aten.ne.Tensor, tail, want)),  # decomposition
+               emit(aten.any.default, emit(aten.le.Scalar, half, 0)))  # runs after us)
+    ok = emit(aten.logical_not.default, bad)
+    emit(aten._assert_async.msg, ok, message)
+    block.collective.meta[CHECKED] = tag
     return ok

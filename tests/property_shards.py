@@ -5,7 +5,7 @@ printed and kept; a failing shard leaves its example in ``property-failures/``
 (``property_record``), and the exit status is 1 if any shard failed.
 
     python tests/property_shards.py -k 10k tests/test_property_ranks.py --shards 14
-    python tests/property_shards.py -k 10k tests/test_property_job.py --examples 10000 \\
+    python tests/property_shards.py -k 10k tests/test_property_ranks.py --examples 10000 \\
         --shards 14 --out results.json
 """
 

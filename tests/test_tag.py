@@ -1,10 +1,11 @@
 """Tier 1: the run-time tags (``passes.tag``) and the per-call wrapper (``runtime``), on
 hand-built graphs run by ``simulate`` (ranks in one process) and on one gloo rank.
 
-A graph in the program's own order tags every all_reduce; a rewritten graph tags its first,
-and its second collective reads that check. A peer that runs another graph at the same
-point pairs tag with tag: every rank of the pairing stops on its check, before any value
-of that pairing is returned.
+A tagged graph (a rewritten one, or a re-cut of a function a rank rewrote) tags its first
+all_reduce with its decision's id, and its second collective reads that check. A peer that
+runs another tagged graph at the same point pairs tag with tag: every rank of the pairing
+stops on its check, before any value of that pairing is returned. Graphs of the program's
+own order carry nothing (real ranks: ``tests/test_fuzz_ranks.py``).
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from simulate import assert_loud, simulate
 
 import fxcoalesce
 from fxcoalesce import Config, run_pipeline
-from fxcoalesce.passes.tag import (CHECKED, MESSAGE_START, PROGRAM_TAG, compatible, expected,
-                                   message, rewrite_tag, tag_pass)
+from fxcoalesce.passes.tag import (MESSAGE_START, TAG_BITS, agrees, bits, compatible,
+                                   message, tag_pass)
 from fxcoalesce.pipeline import copy_graph_module
 from fxcoalesce.rank_check import CollectiveMismatchError
 
@@ -44,10 +45,9 @@ def summed():
     return b.build(b.all_reduce(s))
 
 
-def tagged(gm, rewritten: bool, digest: str = "d"):
+def tagged(gm, tag: int = 7):
     out = copy_graph_module(gm)
-    lines = tag_pass(out, rewritten=rewritten, world=lambda n: WORLD, key="k", digest=digest,
-                     where="test")
+    lines = tag_pass(out, tag, world=lambda n: WORLD, where="test")
     return out, lines
 
 
@@ -56,13 +56,15 @@ def inputs():
              torch.full((2, 4), float(r + 2), dtype=torch.float64)] for r in range(WORLD)]
 
 
-def test_program_order_tags_every_all_reduce_and_keeps_values():
+def test_a_tagged_graph_keeps_its_values_and_sends_2k_more_elements():
+    """The first all_reduce carries the tag's 2K elements, the second one element made from
+    the first's check (issued only after it)."""
     gm = pair_program()
-    out, lines = tagged(gm, rewritten=False)
-    assert [line.split(":")[1].strip() for line in lines] == ["tag 1, sum"] * 2
-    ars = [n for n in out.graph.nodes if n.meta.get(CHECKED) is not None]
-    # each carries one element more: the tag
-    assert [tuple(n.meta["val"].shape) for n in ars] == [(9,), (9,)]
+    out, lines = tagged(gm, 7)
+    assert [line.split(":")[1].strip() for line in lines] == ["tag 7, sum",
+                                                              "issued after the check"]
+    ars = [n for n in out.graph.nodes if "all_reduce" in str(n.target)]
+    assert [tuple(n.meta["val"].shape) for n in ars] == [(8 + 2 * TAG_BITS,), (9,)]
     want, got = simulate([gm] * WORLD, inputs()), simulate([out] * WORLD, inputs())
     assert not got.raised
     for w, g in zip(want.outputs, got.outputs, strict=True):
@@ -74,21 +76,22 @@ def test_a_rewrite_tags_its_first_all_reduce_and_orders_the_second_after_its_che
     x, y = b.input("x", (2, 4), torch.float64), b.input("y", (2, 4), torch.float64)
     first = b.collective(x)  # issued first, waited late: the second is in flight meanwhile
     second = b.all_reduce(y)
-    out, lines = tagged(b.build(b.add(b.wait(first), second)), rewritten=True)
-    assert len(lines) == 2 and all("tag 1," not in line for line in lines)  # not the program's
+    out, lines = tagged(b.build(b.add(b.wait(first), second)), 3)
+    assert len(lines) == 2 and "tag 3," in lines[0] and "after the check" in lines[1]
     order = list(out.graph.nodes)
     [after] = [n for n in order if n.target is torch.ops.fxcoalesce.tag_after.default]
     waits = [n for n in order if "wait_tensor" in str(n.target)]
     # the second all_reduce's tag is made only once the first tag checked out
     assert order.index(waits[0]) < order.index(after)
-    ars = [n for n in order if n.meta.get(CHECKED) is not None]
+    ars = [n for n in order if "all_reduce" in str(n.target)]
     assert order.index(after) < order.index(ars[1])
 
 
 def test_a_peer_running_another_graph_stops_every_rank_of_the_pairing():
-    """Rank 0 re-cut the stretch (the program's own order), rank 1 runs the agreed sum."""
-    prog, _ = tagged(pair_program(), rewritten=False)
-    rew, _ = tagged(summed(), rewritten=True)
+    """Rank 0 re-cut the stretch (the program's own order, tagged: it rewrote this function
+    before, under another decision), rank 1 runs the agreed sum."""
+    prog, _ = tagged(pair_program(), 2)
+    rew, _ = tagged(summed(), 1)
     sim = simulate([prog, rew], inputs())
     assert sorted(sim.raised) == [0, 1] and not any(sim.outputs)
     assert sim.failed == {0: 0, 1: 0}  # the check of the first pairing, on both
@@ -100,46 +103,46 @@ def test_a_peer_running_another_graph_stops_every_rank_of_the_pairing():
 
 
 def test_two_different_rewrites_stop_too():
-    a, _ = tagged(summed(), rewritten=True, digest="one")
-    b, _ = tagged(summed(), rewritten=True, digest="two")
+    a, _ = tagged(summed(), 1)
+    b, _ = tagged(summed(), 2 ** TAG_BITS - 1)
     sim = simulate([a, b], inputs())
     assert sorted(sim.raised) == [0, 1]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.int32])
 @pytest.mark.parametrize("op", ["sum", "avg", "max", "min"])
-def test_tags_differ_in_what_they_reduce_to_unless_all_are_equal(dtype, op):
-    """The tags a rank can send (the program's, and the rewrites' 2**(c*i)): W of them reduce
-    to what W equal ones give only if all are equal, in every tagged dtype, for every rank's
-    check, whatever mix of graphs the W ranks run (every mix of up to four tags)."""
-    from fxcoalesce.passes.tag import _exponents, spacing, taggable_value
-
-    for world in (2, 3, 4, 8):
-        if not taggable_value(op, dtype, world):
-            continue
-        k = _exponents(dtype, world, op)
-        tags = [PROGRAM_TAG] + [float(2 ** (spacing(world) * (1 + i))) for i in range(k)]
-        tags = tags[:3] + tags[-2:]  # the smallest and the largest exponents
-        for mix in itertools.product(tags, repeat=min(world, 4)):
-            sent = list(mix) + [mix[0]] * (world - len(mix))
-            if op in ("max", "min"):
-                cols = [torch.tensor([t, -t], dtype=dtype) for t in sent]
-            else:
-                cols = [torch.tensor([t], dtype=dtype) for t in sent]
-            red = {"sum": lambda c: sum(c[1:], c[0]), "avg": lambda c: sum(c[1:], c[0]) / world,
-                   "max": lambda c: torch.stack(c).amax(0),
-                   "min": lambda c: torch.stack(c).amin(0)}[op](cols)
+def test_a_check_passes_on_one_rank_exactly_when_it_passes_on_all(dtype, op):
+    """What W ranks' tags reduce to passes a rank's check only if every rank sent the same
+    id, in every tagged dtype and op, on groups of 2 to 128, whatever mix of ids they send
+    (ids that differ in one bit, in all bits, the smallest and the largest)."""
+    if op == "avg" and not dtype.is_floating_point:
+        pytest.skip("a mean of integers is not a tagged op")
+    ids = [1, 2, 3, 0x5555, 0xAAAA, 2 ** TAG_BITS - 1]
+    for world in (2, 3, 4, 8, 128):
+        for mix in itertools.product(ids[:4] if world > 4 else ids, repeat=min(world, 3)):
+            sent = list(mix) + [mix[-1]] * (world - len(mix))
+            cols = torch.stack([torch.tensor(bits(t), dtype=dtype) for t in sent])
+            red = {"sum": lambda c: c.sum(0, dtype=dtype), "max": lambda c: c.amax(0),
+                   "min": lambda c: c.amin(0),
+                   "avg": lambda c: (c.sum(0, dtype=dtype) / world).to(dtype)}[op](cols)
             for t in set(sent):
-                want = torch.tensor(expected(op, t, world), dtype=dtype)
-                passes = torch.equal(red.to(dtype), want)
-                assert passes == (len(set(sent)) == 1), (op, dtype, world, sent, t)
+                assert agrees(red, t) == (len(set(sent)) == 1), (op, dtype, world, sent, t)
 
 
-def test_rewrite_tags_are_powers_of_two_other_than_the_programs():
-    for i in range(50):
-        t = rewrite_tag("key", f"d{i}", torch.bfloat16, 8, "sum")
-        e = round(torch.log2(torch.tensor(t)).item())
-        assert t != PROGRAM_TAG and t == 2.0 ** e and e % 4 == 0  # c = 4 on 8 ranks
+def test_tag_ids_are_handed_out_once_even_across_a_new_store():
+    import torch.distributed as dist
+
+    from fxcoalesce import exchange
+
+    store = dist.HashStore()
+    a, b = exchange.Exchange(store, 0, "t"), exchange.Exchange(store, 1, "t")
+    got = [x.new_id() for _ in range(50) for x in (a, b)]
+    assert len(set(got)) == 100 and min(got) >= 1
+    exchange._MAX_ID[0] = max(got)  # a process that took those ids joins a new store
+    fresh = exchange.Exchange(dist.HashStore(), 0, "t")
+    assert fresh.new_id() > max(got)
+    with pytest.raises(ValueError):
+        bits(2 ** TAG_BITS)
 
 
 def test_a_rewrite_whose_first_all_reduce_is_a_bucket_is_not_compatible():
@@ -167,7 +170,7 @@ def test_the_first_all_reduce_stays_out_of_buckets_on_a_group_of_several_ranks()
 
 
 def test_the_message_fits_a_device_assert_and_a_cpp_literal():
-    text = message("graph 1234567890 with a long name", "sum", 2.0 ** 60)
+    text = message("graph 1234567890 with a long name", 2 ** TAG_BITS - 1)
     assert text.startswith(MESSAGE_START) and len(text) < 255
     assert '"' not in text and "\\" not in text and "\n" not in text
 
@@ -178,7 +181,7 @@ def test_the_wrapper_names_what_to_do_and_agrees_again_on_a_new_group(monkeypatc
     from fxcoalesce import runtime
 
     def fails(*args):
-        raise RuntimeError(message("g", "sum", 1.0))
+        raise RuntimeError(message("g", 1))
 
     job = SimpleNamespace(cfg=Config(), name="g", frame="", cut=None, guards=[])
     with pytest.raises(CollectiveMismatchError, match="reorderable_logging_functions"):
@@ -191,9 +194,9 @@ def test_the_wrapper_names_what_to_do_and_agrees_again_on_a_new_group(monkeypatc
     assert g(1) == 2 and len(seen) == 1  # another group: the ranks agree again first
 
 
-def test_program_order_eagerly_tags_as_compiled_graphs_do(tmp_path):
-    """``runtime.ProgramOrder`` on one gloo rank: the Dynamo graph run with every all_reduce
-    tagged: the right values (the tag reduces to 1 on one rank)."""
+def test_program_order_runs_the_dynamo_graph_eagerly_untagged(tmp_path):
+    """``runtime.ProgramOrder`` on one gloo rank: the Dynamo graph run as it is: the right
+    values."""
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
 

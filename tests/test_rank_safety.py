@@ -1,0 +1,256 @@
+"""Tier 3 (issue 32): the four kinds of program that plain ``torch.compile`` runs right and
+fxcoalesce once did not, on real gloo ranks with short group timeouts. Each must give right
+values on every rank at every step, with no process killed and no wait near the group's
+timeout (``tests/test_fuzz_ranks.py`` draws many more programs of these kinds).
+
+1. a flag every rank reads, set on one rank only, after the ranks compiled the function cut
+   two ways (float16, 4 ranks, a summed pair and an all_gather): the tag ids once collided;
+2. rank-0 logging every second step between mergeable all_reduces; eager collectives
+   between compiled calls; ``torch.compiler.disable`` on one rank: tags on graphs of the
+   program's order once met untagged eager collectives (a gloo size abort);
+3. a loop over layers with a print on rank 0: Dynamo skips the frame there, and rank 1 once
+   waited for rank 0's proposal until the group's timeout;
+4. a process group made anew, smaller: the check once expected the old world size.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+import fxcoalesce
+from fxcoalesce.apps.launch import spawn
+
+GROUP_TIMEOUT_S = 40
+
+
+def ar(x, group=None):
+    return funcol.all_reduce(x, "sum", group or dist.group.WORLD)
+
+
+def waited(out):
+    out = out if isinstance(out, tuple) else (out,)
+    return tuple(t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t for t in out)
+
+
+def close(got, want, tol=1e-5) -> bool:
+    return all(torch.allclose(g.float(), w.float(), rtol=tol, atol=tol)
+               for g, w in zip(got, want, strict=True))
+
+
+def compiled(fn, **cfg):
+    return torch.compile(fn, backend=fxcoalesce.backend(fxcoalesce.Config(codegen="eager",
+                                                                          **cfg)))
+
+
+def run_steps(f, fn, make_args, n: int, before=None, tol=1e-5) -> list:
+    """Per step: True where ``f`` (compiled ``fn``) equals ``fn`` run eagerly, else what it
+    returned wrong, or the error it raised (and the steps stop). A wait as long as the
+    group's timeout shows here too: the peer's collective fails with gloo's timeout."""
+    out = []
+    with torch.no_grad():
+        for step in range(n):
+            if before is not None:
+                before(step)
+            args = make_args(step)
+            want = waited(fn(*args))
+            try:
+                got = waited(f(*args))
+            except Exception as e:  # noqa: BLE001 (what the test reports)
+                out.append(f"{type(e).__name__}: {e}"[:300])
+                break
+            out.append(True if close(got, want, tol) else f"wrong at step {step}")
+    return out
+
+
+# --- 1. a flag one rank sets, after the function was compiled cut two ways ---
+
+class _Cfg:
+    verbose = False
+
+
+CFG = _Cfg()
+
+
+def flagged(a, b, c, d):
+    p = ar(a) + ar(b)
+    q = funcol.all_gather_tensor(p[:1].contiguous(), 0, dist.group.WORLD)
+    y = ar(c)
+    if CFG.verbose:
+        print("verbose", flush=True)
+    z = ar(d)
+    return p, q, y + z
+
+
+def _flag_run(rank, world):
+    torch.set_num_threads(1)
+    f = compiled(flagged)
+    gen = torch.Generator().manual_seed(rank)
+    args = [torch.randn(4, 8, generator=gen).half() for _ in range(4)]
+    # verbose on every rank at step 0, off at step 1, on rank 0 alone at step 2
+    flags = {0: True, 1: False, 2: rank == 0, 3: False}
+    return run_steps(f, flagged, lambda s: args, 4,
+                     before=lambda s: setattr(CFG, "verbose", flags[s]), tol=2e-2)
+
+
+def test_a_flag_one_rank_sets_after_two_cuts_is_right_on_4_ranks():
+    res = spawn(_flag_run, 4, (), backend="gloo", timeout=600,
+                group_timeout_s=GROUP_TIMEOUT_S)
+    assert all(r == [True] * 4 for r in res), res
+
+
+# --- 2. logging every second step; eager collectives between calls; disable on one rank ---
+
+def logs_every_second_step(x, y, step):
+    a = ar(x * 2)
+    if dist.get_rank() == 0 and (step + 1) % 2 == 0:
+        print(f"rank 0 logs at step {step}", flush=True)
+    b = ar(y * 3)
+    return a + b
+
+
+def first_part(x, y):
+    if dist.get_rank() == 0:
+        print("rank 0 logs", flush=True)
+    return ar(x * 2) + ar(y * 3)
+
+
+def second_part(x, y):
+    return ar(x - 1) + ar(y + 1)
+
+
+def between_calls(first=first_part, second=second_part):
+    """Two functions (compiled or not) with eager collectives between their calls."""
+    def step_fn(x, y, step):
+        h = first(x, y)
+        loss = h.sum().reshape(1).clone()
+        dist.all_reduce(loss)
+        metric = torch.tensor([float(step)])
+        dist.broadcast(metric, 0)
+        return second(h, y) + loss + metric
+    return step_fn
+
+
+@torch.compiler.disable
+def row_parallel_eager(x):
+    return ar(x * 3)
+
+
+def row_parallel(x):
+    return ar(x * 3)
+
+
+def with_disabled_helper(x, y, step):
+    helper = row_parallel_eager if dist.get_rank() == 0 else row_parallel
+    return ar(x * 2) + helper(y)
+
+
+def _part2_run(rank, world, which):
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(rank)
+
+    def fresh(step):
+        return torch.randn(4, 8, generator=gen), torch.randn(4, 8, generator=gen), step
+
+    if which == "between":
+        return run_steps(between_calls(compiled(first_part), compiled(second_part)),
+                         between_calls(), fresh, 4)
+    fn = {"logging": logs_every_second_step, "disable": with_disabled_helper}[which]
+    return run_steps(compiled(fn), fn, fresh, 4)
+
+
+@pytest.mark.parametrize("which", ["logging", "between", "disable"])
+def test_what_plain_runs_right_runs_right(which):
+    res = spawn(_part2_run, 2, (which,), backend="gloo", timeout=400,
+                group_timeout_s=GROUP_TIMEOUT_S)
+    assert all(r == [True] * 4 for r in res), res
+
+
+# --- 3. a loop over layers with a print on rank 0: Dynamo skips the frame there ---
+
+def layers(x, ws, step):
+    for w in ws:  # parallel blocks: two all_reduces a layer, summed
+        x = x + ar(x @ w) + ar(x * 2)
+        if dist.get_rank() == 0 and step % 50 == 0:
+            print(f"step {step}", flush=True)
+    return x
+
+
+def _loop_run(rank, world):
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(0)
+    ws = [torch.randn(8, 8, generator=gen) * 0.1 for _ in range(3)]
+    f = compiled(layers)
+    out = run_steps(f, layers, lambda s: (torch.ones(4, 8) * (rank + 1), ws, s), 60)
+    return out, [r.agreement.get("how") for r in fxcoalesce.reports()]
+
+
+def test_a_frame_dynamo_skips_on_one_rank_does_not_wait_for_the_timeout():
+    res = spawn(_loop_run, 2, (), backend="gloo", timeout=400,
+                group_timeout_s=GROUP_TIMEOUT_S)
+    assert all(r[0] == [True] * 60 for r in res), res
+    # rank 1 compiled the unrolled loop and stopped waiting for rank 0 as soon as rank 0,
+    # which skipped the frame, issued its collectives another way (uncompiled, or in a
+    # graph of its own for each call of ar)
+    assert {"runs uncompiled", "cut differently"} & set(res[1][1]), res
+
+
+# --- 4. a process group made anew, smaller ---
+
+def pair(x, y):
+    return ar(x * 2) + ar(y * 3)
+
+
+def _smaller_run(rank, world, path):
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(4, 8, generator=gen), torch.randn(4, 8, generator=gen)
+    f = compiled(pair)
+    out = run_steps(f, pair, lambda s: (x, y), 2)
+    dist.destroy_process_group()
+    if rank >= 2:
+        return out + ["left"]
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+    return out + run_steps(f, pair, lambda s: (x, y), 2)
+
+
+def test_a_smaller_group_made_anew_runs_right(tmp_path):
+    res = spawn(_smaller_run, 4, (str(tmp_path / "store"),), backend="gloo", timeout=600,
+                group_timeout_s=GROUP_TIMEOUT_S)
+    assert res[0] == res[1] == [True] * 4, res
+    assert res[2] == res[3] == [True, True, "left"], res
+
+
+# --- outside, loudly: the recompile limit reached on one rank for a rewritten function ---
+
+def scaled(x, y, s):
+    return ar(x * s) + ar(y * 3)
+
+
+def _limit_run(rank, world):
+    torch.set_num_threads(1)
+    torch._dynamo.config.recompile_limit = 2
+    torch._dynamo.config.automatic_dynamic_shapes = False  # s stays a constant: recompiles
+    gen = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(4, 8, generator=gen), torch.randn(4, 8, generator=gen)
+    f = compiled(scaled)
+    # every rank reads s (the same guards), only rank 0 changes it: rank 0 alone recompiles
+    out = run_steps(f, scaled, lambda s: (x, y, float(s + 1) if rank == 0 else 1.0), 4)
+    return out, [r.all_reduce["after"] for r in fxcoalesce.reports()]
+
+
+def test_the_recompile_limit_on_one_rank_for_a_rewrite_stops_every_rank_at_once():
+    res = spawn(_limit_run, 2, (), backend="gloo", timeout=400,
+                group_timeout_s=GROUP_TIMEOUT_S)
+    assert res[1][1][0] == 1, res  # the ranks agreed to sum the pair
+    for steps, _ in res:  # right until rank 0 would run it uncompiled, then a clear error
+        assert steps[:2] == [True, True] and len(steps) == 3, res
+        assert steps[2].startswith("CollectiveMismatchError"), res
+    assert "recompile_limit" in res[0][0][2], res
+    # rank 1 stopped on its tag check at once (what rank 0 sent it), not on gloo's timeout
+    assert "a peer issued another collective" in res[1][0][2], res
