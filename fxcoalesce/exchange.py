@@ -174,7 +174,7 @@ def process_env() -> RankEnv:
             position=lambda g: _position(_resolve(g)),
             timeout=lambda g: group_timeout_s(_resolve(g)),
             retired=RETIRED, cuts=CUTS)
-        heartbeat(store)
+        heartbeat()
     return _ENVS[id(store)]
 
 
@@ -205,45 +205,47 @@ def varied(cuts: dict, frame: str) -> str | None:
 
 
 HEARTBEAT_S = 0.5
-_BEATING: set[int] = set()
+_BEAT: list = []
+"""The heartbeat thread, once started (one per process)."""
 
 
-def heartbeat(store) -> None:
-    """Publish, every :data:`HEARTBEAT_S` from a daemon thread, how many collectives this
-    rank has issued on each of its groups (``at/<rank>``). A peer waiting for this rank's
-    proposal reads it: a count past where its graph starts means this rank runs that
-    stretch without compiling it (Dynamo skipped the frame, eager code), so the peer stops
-    waiting at once. The thread runs while this rank is blocked inside a collective (c10d
-    waits release the GIL); it stops when the store stops answering."""
+def heartbeat() -> None:
+    """Publish, every :data:`HEARTBEAT_S` from one daemon thread, how many collectives this
+    rank has issued on each of its groups (``at/<rank>`` in the default group's store). A
+    peer waiting for this rank's proposal reads it: a count past where its graph starts
+    means this rank runs that stretch without compiling it (Dynamo skipped the frame, eager
+    code), so the peer stops waiting at once. The thread follows the default group: after a
+    group is made anew it writes into the new store, even where this rank runs nothing of
+    fxcoalesce's there (a frame run uncompiled). It runs while this rank is blocked inside a
+    collective (c10d waits release the GIL)."""
     import threading
 
-    if id(store) in _BEATING or not (dist.is_available() and dist.is_initialized()):
+    if _BEAT:
         return
-    try:
-        if dist.get_backend() == "fake" or dist.get_world_size() < 2:
-            return
-        key = f"{_namespace()}/at/{dist.get_rank()}"
-    except Exception:  # a group being torn down
-        return
-    _BEATING.add(id(store))
 
     def beat():
-        last = None
-        while dist.is_initialized() and dist.distributed_c10d._get_default_store() is store:
+        last: dict[int, str] = {}
+        while True:
             time.sleep(HEARTBEAT_S)
             try:
+                if not dist.is_initialized() or dist.get_backend() == "fake" or (
+                        dist.get_world_size() < 2):
+                    continue
+                store = dist.distributed_c10d._get_default_store()
                 now = json.dumps(_all_positions(), sort_keys=True)
-            except Exception:  # groups made or torn down meanwhile: look again later
+                if last.get(id(store)) != now:
+                    store.set(f"{_namespace()}/at/{dist.get_rank()}", now)
+                    last = {id(store): now}
+                    _KEPT[id(store)] = store
+            except Exception:  # a group torn down or made meanwhile: look again later
                 continue
-            if now == last:
-                continue
-            try:
-                store.set(key, now)
-            except Exception:  # the store's host is gone: nothing more to say
-                return
-            last = now
 
-    threading.Thread(target=beat, daemon=True, name="fxcoalesce-heartbeat").start()
+    _BEAT.append(threading.Thread(target=beat, daemon=True, name="fxcoalesce-heartbeat"))
+    _BEAT[0].start()
+
+
+_KEPT: dict[int, object] = {}
+"""Stores written into, kept alive here: a store freed could leave its id to the next."""
 
 
 def _all_positions() -> dict:
@@ -284,7 +286,7 @@ def _alive(pid: int) -> bool:
         return True
 
 
-_ANNOUNCED: set[int] = set()
+_ANNOUNCED: dict[int, object] = {}
 
 
 def announce() -> None:
@@ -300,10 +302,10 @@ def announce() -> None:
         store = dist.distributed_c10d._get_default_store()
         if id(store) in _ANNOUNCED:
             return
-        _ANNOUNCED.add(id(store))
+        _ANNOUNCED[id(store)] = store  # kept: a freed store's id can come back
         store.set(f"{_namespace()}/pid/{dist.get_rank()}",
                   json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
-        heartbeat(store)
+        heartbeat()
     except Exception:  # a group being torn down: peers fall back to the timeouts
         return
 

@@ -179,16 +179,19 @@ class Guarded:
         """Agree again in the new default group's store on every graph of this compile: the
         ranks can run this one's compiled step only where all of them can."""
         from .agreement import ladder
-        from .exchange import agree_graph
+        from .exchange import agree_graph, announce
 
         self.group = default_group()
         if self.group is None:  # no group now: the collectives fail as plain's would
             return
+        announce()  # this rank's process and heartbeat, in the new store
         steps = ladder(self.cfg)
         program_only, tag = False, 0
         for g in self.graphs:
             if not g.sequences:  # not agreed on (no peers then): nothing to re-agree
                 continue
+            if not g.tagged and list(g.sequences[g.step]) == list(g.program):
+                continue  # the program's own order, untagged: it pairs with what peers run
             outcome = agree_graph(self.name, self.cfg, steps, g.program,
                                   offered(g.sequences, g.step), g.workspaces,
                                   check_ranks=False, **self.origin)
