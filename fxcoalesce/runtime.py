@@ -81,9 +81,9 @@ class _RecompileLimit(logging.Handler):
 
 def _stop_peers(frame: str) -> None:
     """Send what ``frame``'s tagged graph opens with, with a tag no rank can send (every bit
-    and its complement set): the peers, which run that graph, pair it with their first
-    tagged all_reduce and fail its check at once, instead of waiting for this rank until
-    the group's timeout."""
+    and its complement set; cleared under min): the peers, which run that graph, pair it
+    with their first tagged all_reduce and fail its check at once, instead of waiting for
+    this rank until the group's timeout."""
     import torch
 
     from fxcoalesce.passes.tag import TAG_BITS
@@ -96,8 +96,10 @@ def _stop_peers(frame: str) -> None:
     pg = dist.distributed_c10d._resolve_process_group(group)
     ops = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX,
            "min": dist.ReduceOp.MIN}
-    poison = torch.zeros(numel, dtype=dtype, device=device)  # numel: the tag's included
-    poison[-2 * TAG_BITS:] = 1
+    # numel: the tag's included. Every tag slot 1 (0 under min): each bit's pair then
+    # reduces to 1 and 1 (0 and 0), which no check passes
+    poison = torch.zeros(numel, dtype=dtype, device=device)
+    poison[-2 * TAG_BITS:] = 0 if op == "min" else 1
     try:
         dist.all_reduce(poison, ops[op], group=pg)
     except Exception:  # the peers stopped first, or the group is gone: they know
