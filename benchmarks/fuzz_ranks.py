@@ -1,0 +1,188 @@
+"""Differential fuzzing of fxcoalesce on real gloo ranks (tests/fuzz): generated programs run
+under eager, plain torch.compile and fxcoalesce (default Config and check_ranks=True), one
+process per rank; the oracle says ok / loud / failure per program and variant.
+
+    python benchmarks/fuzz_ranks.py --n 500 --jobs 8 --seed-base 1000 \\
+        --out benchmarks/results/fuzz_<name>/          # summary.json, summary.md, failures/
+    python benchmarks/fuzz_ranks.py --seed 123 --variant fxcoalesce --world 4 -v
+    python benchmarks/fuzz_ranks.py --replay tests/data/fuzz/123.json -v
+
+Needs only torch and the stdlib (and this checkout). Exit status 1 if any program failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import random
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+from fuzz import oracle, record  # (after the path)
+from fuzz.gen import default_world, generate
+
+
+def _args(argv):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--n", type=int, default=20, help="programs to run (seeds from --seed-base)")
+    ap.add_argument("--seed-base", type=int, help="first seed (default: a fresh one, printed)")
+    ap.add_argument("--seed", type=int, action="append", help="run these seeds only")
+    ap.add_argument("--replay", type=Path, action="append", help="a recorded failure (JSON)")
+    ap.add_argument("--jobs", type=int, default=1, help="programs run at once")
+    ap.add_argument("--world", type=int, choices=(2, 4), help="default: drawn per seed")
+    ap.add_argument("--variant", choices=("fxcoalesce", "check", "all"), default="all")
+    ap.add_argument("--inductor", choices=("auto", "always", "never"), default="auto",
+                    help="real Inductor for plain and fxcoalesce (auto: drawn per seed)")
+    ap.add_argument("--no-eager", action="store_true", help="skip checking plain against eager")
+    ap.add_argument("--group-timeout", type=float, default=40)
+    ap.add_argument("--out", type=Path, help="directory for summary.json, summary.md, failures/")
+    ap.add_argument("-v", "--verbose", action="store_true",
+                    help="print each program and each run's statuses; keep the run files")
+    return ap.parse_args(argv)
+
+
+def _programs(args):
+    if args.replay:
+        return [record.load(p)[0] for p in args.replay]
+    if args.seed:
+        seeds = args.seed
+    else:
+        base = args.seed_base if args.seed_base is not None else \
+            random.SystemRandom().randrange(2**31)
+        print(f"seeds {base}..{base + args.n - 1} (--seed-base {base})", flush=True)
+        seeds = range(base, base + args.n)
+    inductor = {"auto": None, "always": True, "never": False}[args.inductor]
+    return [generate(s, args.world or default_world(s), inductor) for s in seeds]
+
+
+def commit() -> str | None:
+    """The checkout's commit (with '+' when its fxcoalesce/ or passes/ has edits), if git
+    is there: what the run judged."""
+    import subprocess
+
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
+                              capture_output=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "fxcoalesce", "passes"],
+                               cwd=ROOT, text=True, capture_output=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (head + ("+" if dirty.strip() else "")) or None
+
+
+def summarize(results: list[dict], args, started: float) -> dict:
+    counts = collections.defaultdict(collections.Counter)
+    by_feature = collections.defaultdict(collections.Counter)
+    failures, louds = [], []
+    for res in results:
+        plain = res.get("plain", {}).get("outcome", "unfinished")
+        counts["plain"][plain] += 1
+        for variant, v in res["variants"].items():
+            counts[variant][v["outcome"]] += 1
+            for f in res["features"] + [f"world.{res['world']}"]:
+                by_feature[f][v["outcome"]] += 1
+            item = {"seed": res["seed"], "world": res["world"], "variant": variant,
+                    "outcome": v["outcome"], "detail": v["detail"][:400],
+                    "features": res["features"], "record": res.get("record")}
+            if v["outcome"] in oracle.FAILURES:
+                failures.append(item)
+            elif v["outcome"] == "loud":
+                louds.append(item)
+    import torch
+
+    return {"args": {k: str(v) for k, v in vars(args).items()}, "torch": torch.__version__,
+            "commit_start": args.commit_start, "commit_end": commit(),
+            "programs": len(results), "wall_s": round(time.monotonic() - started),
+            "counts": {k: dict(v) for k, v in counts.items()},
+            "by_feature": {k: dict(v) for k, v in sorted(by_feature.items())},
+            "failures": failures, "loud": louds, "results": results}
+
+
+def markdown(s: dict) -> str:
+    lines = [f"# fuzz_ranks: {s['programs']} programs, {s['wall_s']} s", "",
+             f"torch {s['torch']}, fxcoalesce at {s['commit_start']} (start) and "
+             f"{s['commit_end']} (end)", "",
+             "| run | " + " | ".join(["ok", "loud", *oracle.FAILURES, *oracle.SKIPS]) + " |",
+             "|---" * (3 + len(oracle.FAILURES) + len(oracle.SKIPS)) + "|"]
+    for run, c in s["counts"].items():
+        lines.append(f"| {run} | " + " | ".join(str(c.get(k, 0)) for k in
+                     ["ok", "loud", *oracle.FAILURES, *oracle.SKIPS]) + " |")
+    lines += ["", "Failures (seed, world, variant, outcome: detail):", ""]
+    lines += [f"- {f['seed']} w{f['world']} {f['variant']} **{f['outcome']}**: "
+              f"{f['detail'][:200]}" for f in s["failures"]] or ["- none"]
+    lines += ["", "Loud errors (counted apart):", ""]
+    lines += [f"- {f['seed']} w{f['world']} {f['variant']}: {' '.join(f['features'])}"
+              for f in s["loud"]] or ["- none"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    args = _args(argv)
+    args.commit_start = commit()
+    programs = _programs(args)
+    variants = record.VARIANTS if args.variant == "all" else (args.variant,)
+    failures_dir = args.out / "failures" if args.out else record.FAILURES_DIR
+    started, results, lock = time.monotonic(), [], threading.Lock()
+    log = (lambda m: print(m, flush=True)) if args.verbose else None
+    done = threading.Event()
+
+    def progress():  # a line at least every 30 s, whatever the programs do
+        while not done.wait(30):
+            with lock:
+                bad = sum(v["outcome"] in oracle.FAILURES for r in results
+                          for v in r["variants"].values())
+                print(f"[{time.monotonic() - started:.0f} s] {len(results)}/{len(programs)} "
+                      f"programs done, {bad} failures", flush=True)
+
+    def one(prog):
+        if args.verbose:
+            print(f"--- seed {prog.seed}, world {prog.world}, inductor {prog.inductor}\n"
+                  f"{prog.text}", flush=True)
+        keep = None
+        if args.verbose:  # the scripts, results files and stderr of every run
+            keep = str(args.out / "runs" / str(prog.seed)) if args.out else \
+                tempfile.mkdtemp(prefix=f"fxfuzz-{prog.seed}-")
+            print(f"seed {prog.seed}: run files in {keep}", flush=True)
+        return record.fuzz_one(prog, variants, eager=not args.no_eager,
+                               group_timeout=args.group_timeout, failures_dir=failures_dir,
+                               keep=keep, log=log)
+
+    threading.Thread(target=progress, daemon=True).start()
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        for fut in as_completed([pool.submit(one, p) for p in programs]):
+            res = fut.result()
+            with lock:
+                results.append(res)
+                outcomes = {v: r["outcome"] for v, r in res["variants"].items()}
+                print(f"seed {res['seed']} w{res['world']}: plain "
+                      f"{res['plain']['outcome']}, {outcomes or '-'} ({res['wall_s']} s)",
+                      flush=True)
+                for v, r in res["variants"].items():
+                    if r["outcome"] != "ok":
+                        print(f"    {v} {r['outcome']}: {r['detail'][:300]}", flush=True)
+                if args.out:
+                    _save(summarize(results, args, started), args.out)
+    done.set()
+    s = summarize(results, args, started)
+    if args.out:
+        _save(s, args.out)
+    print(markdown(s), flush=True)
+    return 1 if s["failures"] else 0
+
+
+def _save(s: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(s, indent=1))
+    (out / "summary.md").write_text(markdown(s))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""Tier 3, rank safety: generated programs on real gloo ranks, fxcoalesce against plain
+``torch.compile`` (tests/fuzz: the generator, the runner, the oracle, record and replay).
+
+Default run: nine fixed seeds on 2 ranks that together draw every feature of the grammar
+(15-30 s each while fxcoalesce passes them, about 3.5 minutes in all on 2 shared cores; a
+hang costs the 30 s group timeout more), every recorded failure under tests/data/fuzz/,
+and the generator's own checks (no ranks).
+Slow run: FXCOALESCE_FUZZ_N fresh programs (default 500; FXCOALESCE_FUZZ_SEED fixes the
+first seed, FXCOALESCE_FUZZ_JOBS runs programs side by side):
+
+    pytest tests/test_fuzz_ranks.py
+    FXCOALESCE_FUZZ_N=50 pytest -m slow tests/test_fuzz_ranks.py -s
+"""
+
+from __future__ import annotations
+
+import collections
+import random
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from fuzz import oracle, record
+from fuzz.gen import default_world, generate
+
+GROUP_TIMEOUT_S = 30
+
+# (seed, what it draws): one program per feature class (the rank-dependent ones apart, so
+# that one failure does not hide another), together every feature of the grammar but the
+# long runs and Inductor (the slow run draws those)
+FIXED = {
+    5937: "fp16; summed pairs and triples, buckets; avg, max, min; dynamic=True and changing "
+          "lengths; a setitem KV cache; an eager all_reduce",
+    3797: "bf16; sums of three reductions, buckets over three groups; an index_copy_ KV "
+          "cache; an eager all_reduce",
+    10002: "a layer loop of bucketed avg all_reduces; a print on rank 0 every 3 steps, and "
+           "one inside the loop behind a flag rank 0 sets from step 2; changing lengths; an "
+           "eager all_reduce",
+    858: "fp16; logging on one rank inside the layer loop, through a helper, by print and "
+         "logger.warning, RANK and dist.get_rank()",
+    221: "a helper with an all_reduce disabled on one rank; a chain; two compiled functions",
+    3396: "fp16; a compute helper disabled on one rank; a sum of reductions of mixed ops",
+    270: "bf16; a recompile limit that one rank reaches; an all_gather beside an all_reduce; "
+         "an eager all_reduce and broadcast",
+    1296: "the process group made anew smaller (rank 1 stops); two compiled functions; eager "
+          "collectives",
+    570: "the process group made anew at the same size; a sum of reductions of mixed ops",
+}
+
+
+def _failures(res: dict) -> dict:
+    return {v: r for v, r in res["variants"].items() if r["outcome"] in oracle.FAILURES}
+
+
+@pytest.mark.parametrize("seed", sorted(FIXED))
+def test_a_fixed_program_on_two_ranks(seed):
+    res = record.fuzz_one(generate(seed, 2, inductor=False), group_timeout=GROUP_TIMEOUT_S)
+    # the fixed programs are ones plain torch.compile runs right (else they prove nothing)
+    assert res["plain"]["outcome"] == "ok", res["plain"]
+    # fxcoalesce, default and check_ranks=True: right on every rank at every step, or a
+    # loud error on every rank; never a wrong value, a killed rank, a hang, a longer wait
+    assert not _failures(res), (f"seed {seed} ({FIXED[seed]}): {_failures(res)}; "
+                                f"recorded in {res.get('record')}")
+
+
+@pytest.mark.parametrize("path", record.replay_files(), ids=lambda p: p.stem)
+def test_a_recorded_failure_replays_right(path):
+    prog, rec = record.load(path)
+    res = record.fuzz_one(prog, tuple(rec["variants"]), group_timeout=rec["group_timeout"],
+                          failures_dir=None)
+    assert res["plain"]["outcome"] == "ok", res["plain"]
+    assert not _failures(res), (path.name, _failures(res))
+
+
+def test_the_generator_is_deterministic_and_draws_the_whole_grammar():
+    assert generate(1257, 2).text == generate(1257, 2).text
+    assert generate(1257, 2).text != generate(1257, 4).text
+    drawn = collections.Counter()
+    for seed in range(400):
+        prog = generate(seed, default_world(seed))
+        compile(prog.text, f"seed {seed}", "exec")  # every program is valid Python
+        drawn.update(prog.features)
+    grammar = {f"tp.{k}" for k in ("sum", "sum3", "bucket", "chain", "gather", "loop",
+                                   "mixed_op")} | \
+        {f"op.{k}" for k in ("avg", "max", "min")} | \
+        {f"dtype.{k}" for k in ("float32", "float16", "bfloat16")} | \
+        {f"groups.{k}" for k in (1, 2, 3)} | \
+        {f"log.{k}" for k in ("rank", "every_n", "loop", "helper", "flag", "logging",
+                              "get_rank")} | \
+        {"eager.all_reduce", "eager.broadcast", "disable.compute", "disable.collective",
+         "recompile.limit", "dynamic.seq", "dynamic.true", "kv.setitem", "kv.index_copy",
+         "regroup.same", "regroup.smaller", "steps.many", "steps.long", "compile.inductor",
+         "compile.two_fns"}
+    assert grammar <= set(drawn), grammar - set(drawn)
+    fixed = set().union(*(generate(s, 2, inductor=False).features for s in FIXED))
+    assert grammar - fixed == {"steps.many", "steps.long", "compile.inductor"}, grammar - fixed
+
+
+@pytest.mark.slow
+def test_fresh_programs():
+    n = record.env_int("FXCOALESCE_FUZZ_N", 500)
+    base = record.env_int("FXCOALESCE_FUZZ_SEED", random.SystemRandom().randrange(2**31))
+    print(f"fuzz: seeds {base}..{base + n - 1} (FXCOALESCE_FUZZ_SEED={base} replays them)")
+    progs = [generate(s, default_world(s)) for s in range(base, base + n)]
+    with ThreadPoolExecutor(record.env_int("FXCOALESCE_FUZZ_JOBS", 1)) as pool:
+        results = list(pool.map(lambda p: record.fuzz_one(p, group_timeout=40), progs))
+    counts = collections.Counter(v["outcome"] for r in results for v in r["variants"].values())
+    print(f"fuzz: {dict(counts)}; plain: "
+          f"{dict(collections.Counter(r['plain']['outcome'] for r in results))}")
+    bad = [(r["seed"], v, x["outcome"], x["detail"][:200]) for r in results
+           for v, x in _failures(r).items()]
+    assert not bad, bad
