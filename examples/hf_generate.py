@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 
@@ -34,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 import fxcoalesce
+from fxcoalesce.apps.progress import Phase
 
 TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=4, vocab_size=512, max_position_embeddings=256,
@@ -97,6 +99,14 @@ def ms_per_token(model, ids, tokens: int) -> float:
     return took.item() * 1e3 / tokens
 
 
+def phase(what: str, **kw) -> Phase:
+    """Rank 0 says on stderr what the ranks do and, every 20 s while it lasts, for how long
+    (the compiles take minutes on two busy CPU cores)."""
+    say = ((lambda text: print(text, file=sys.stderr, flush=True)) if dist.get_rank() == 0
+           else None)
+    return Phase(say, f"{what} on {dist.get_world_size()} ranks", **kw)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("path", nargs="?", help="a saved causal LM with a TP plan (default: "
@@ -119,16 +129,19 @@ def main() -> None:
     vocab = model.config.get_text_config().vocab_size
     ids = torch.randint(1, vocab, (1, 8), generator=torch.Generator().manual_seed(0))
 
-    eager = generate(model, ids, cli.tokens)
+    with phase(f"generating {cli.tokens} tokens eagerly"):
+        eager = generate(model, ids, cli.tokens)
     forward = model.forward
     # one forward compiled twice: Dynamo keeps each backend's graphs apart (it guards on the
     # backend), and the reports below show that fxcoalesce compiled its own
     compiled = {"torch.compile": torch.compile(forward, backend="inductor"),
                 "fxcoalesce": torch.compile(forward, backend="fxcoalesce")}
     model.forward = compiled["torch.compile"]
-    plain = generate(model, ids, cli.tokens)
+    with phase("compiling the prefill and decode steps with plain torch.compile"):
+        plain = generate(model, ids, cli.tokens)
     model.forward = compiled["fxcoalesce"]
-    ours = generate(model, ids, cli.tokens)
+    with phase("compiling the prefill and decode steps with fxcoalesce"):
+        ours = generate(model, ids, cli.tokens)
     reports = fxcoalesce.reports()[:]
     if not reports:
         raise SystemExit("fxcoalesce compiled no graph: Dynamo reused plain torch.compile's")
@@ -139,12 +152,15 @@ def main() -> None:
                          f"torch.compile {plain.tolist()}, fxcoalesce {ours.tolist()}")
 
     times = {k: [] for k in compiled}
-    for round in range(1 + cli.rounds if cli.rounds else 0):  # a warm-up round, alternating
-        for name, fn in compiled.items():
-            model.forward = fn
-            took = ms_per_token(model, ids, cli.tokens)
-            if round:
-                times[name].append(took)
+    rounds = 1 + cli.rounds if cli.rounds else 0
+    with phase("timing generate()", total=rounds, unit="rounds (the first untimed)") as timing:
+        for round in range(rounds):  # a warm-up round, then alternating
+            for name, fn in compiled.items():
+                model.forward = fn
+                took = ms_per_token(model, ids, cli.tokens)
+                if round:
+                    times[name].append(took)
+            timing.advance()
     if dist.get_rank() == 0:
         where = path if cli.path else f"tiny, random weights, saved in {path}"
         print(f"{type(model).__name__} ({where}), TP={dist.get_world_size()} (gloo), "

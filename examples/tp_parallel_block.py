@@ -19,6 +19,7 @@ against plain ``torch.compile``'s; rank 0 prints the reports and a one-line resu
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxcoalesce
+from fxcoalesce.apps.progress import Phase
 
 
 @dataclass(kw_only=True, slots=True)
@@ -130,13 +132,23 @@ def apply_tp(model: Transformer, group: dist.ProcessGroup) -> Transformer:
     return model
 
 
+def phase(what: str) -> Phase:
+    """Rank 0 says on stderr what the ranks do and, every 20 s while it lasts, for how long
+    (a compile takes 10-60 s on two busy CPU cores)."""
+    say = ((lambda text: print(text, file=sys.stderr, flush=True)) if dist.get_rank() == 0
+           else None)
+    return Phase(say, f"{what} on {dist.get_world_size()} ranks")
+
+
 def check_and_report(name: str, model: Transformer, x: torch.Tensor) -> dict:
     """Compile ``model`` with fxcoalesce and with plain torch.compile; compare on every rank."""
     with torch.no_grad():
-        out = torch.compile(model, backend="fxcoalesce")(x)
+        with phase(f"compiling the {name} with fxcoalesce"):
+            out = torch.compile(model, backend="fxcoalesce")(x)
         report = fxcoalesce.reports()[-1]
         torch._dynamo.reset()  # the same model compiled again: never reuse the code above
-        expected = torch.compile(model, backend="inductor")(x)
+        with phase(f"compiling the {name} with plain torch.compile"):
+            expected = torch.compile(model, backend="inductor")(x)
     # floating-point summation order differs (the linearity pass adds before it reduces);
     # Config(reassociate=False) keeps the result bit-exact
     diff = (out - expected).abs().max().reshape(1)

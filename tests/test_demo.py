@@ -58,3 +58,57 @@ def test_summary_prints_spreads_and_what_the_pass_cost_in_its_compile(with_range
     assert ("fxcoalesce inside the compile  : 41.5 ms (pipeline 30.4 ms, agreeing 11.1 ms) (a "
             "compile's total follows the load and the order of compiles: not compared)") in text
     assert " s without the pass" not in text  # no compile totals side by side
+
+
+def test_the_main_jobs_last_lines_point_to_inspect(monkeypatch, capsys):
+    """``fxcoalesce demo`` ends with how to ask the same of one's own model: the two doors of
+    ``fxcoalesce inspect`` and what it said of a zoo model in this run. The ranks, the weights
+    and the trace are stood in for here (tests/test_tour.py runs the trace and the demo)."""
+    from fxcoalesce.apps import launch, tour
+    from fxcoalesce.apps.spec import demo as spec_demo
+    from fxcoalesce.apps.spec.demo import SmolRun
+    from fxcoalesce.apps.spec.specdecode import SpecOptions
+
+    options = SpecOptions(gguf="", draft="", prompts=((1,),), greedy_compiled=False,
+                          codegen="eager")
+    summary = {"all_reduce_per_call": {"spec": {"before": 61, "after": 61, "lower_bound": 61}},
+               "verdict": {"spec": "already at its bound"}, "pass_ms": {},
+               "mean_accepted": 2.0, "tokens_per_s": {"speculative": 3.0, "target_greedy": 6.0},
+               "speedup_vs_target_greedy": 0.5, "ranks_agree": True, "backend": "gloo",
+               "device": "cpu"}
+
+    class Job:
+        def describe(self, tp):
+            return "speculative decoding: smollm2-135m"
+
+        def finish(self, ranks):
+            assert ranks == ["spec 0", "spec 1"]
+            return SmolRun(summary, {"spec_tokens": 8, "same_tokens": True}, "Blue light.",
+                           False, options)
+
+    Job.options = options
+    monkeypatch.setattr(spec_demo, "prepare_smollm2", lambda **kw: Job())
+    monkeypatch.setattr(launch, "spawn", lambda fn, world, args, **kw: [
+        {"merge": {"rank": r}, "spec": f"spec {r}"} for r in range(world)])
+    found = "all_reduce launches  5 -> 3  (lower bound 3), reached the lower bound"
+    monkeypatch.setattr(tour, "inspect_example", lambda say=None: (found, 1.5))
+    args = SimpleNamespace(tp=2, device="cpu", backend=None, codegen=None, tokens=None,
+                           prompt=None, draft=None, quiet=True, out=None, command_line="")
+    assert tour.run_tour(args) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-5].startswith("wall time ")
+    assert out[-4].startswith("Your own model: `fxcoalesce inspect` says what fxcoalesce "
+                              "would merge in it")
+    assert out[-3].startswith("  fxcoalesce inspect --model path/to/file.py:factory --tp N ")
+    assert out[-2].startswith("  fxcoalesce inspect --hf <model type or config.json> --tp N ")
+    assert out[-1].startswith(f"  {tour.INSPECT_EXAMPLE} ")
+    assert out[-1].endswith(f"   traced just now, 1.5 s: {found}")
+    assert ["  Q: Why is the sky blue?", "  A: Blue light."] == out[out.index("  Q: Why is "
+                                                                         "the sky blue?"):][:2]
+    # the commands it shows parse as written, their placeholders filled in
+    from fxcoalesce.apps.cli import parser
+
+    for line in out[-3:]:
+        command = line.strip().split("   ")[0].replace("<model type or config.json>", "cohere")
+        args = parser().parse_args(command.replace(" N", " 8").split()[1:])
+        assert (args.cmd, args.tp) == ("inspect", 8), command

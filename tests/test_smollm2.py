@@ -214,6 +214,37 @@ def test_unparsable_gguf(tmp_path):
         sm.read_gguf(bad)
 
 
+def test_reader_equals_the_gguf_packages(target):
+    """The GGUF read here (header by struct, weights dequantized in torch) is the gguf
+    package's reading of it, field for field and bit for bit."""
+    import gguf
+    import numpy as np
+
+    contents = sm.read_gguf(sm.gguf_path())
+    reader = gguf.GGUFReader(sm.gguf_path())
+    fields = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    assert contents.tokens == fields.pop("tokenizer.ggml.tokens")
+    assert contents.merges == fields.pop("tokenizer.ggml.merges")
+    assert contents.token_types == fields.pop("tokenizer.ggml.token_type")
+    assert contents.metadata == fields
+    assert [type(v) for v in contents.metadata.values()] == [type(v) for v in fields.values()]
+    kinds = {t.tensor_type.name for t in reader.tensors}
+    assert kinds == {"F32", "Q4_1", "Q8_0"}, kinds  # all three of the torch paths
+    assert set(contents.tensors) == {t.name for t in reader.tensors}
+    for t in reader.tensors:
+        want = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type)))
+        got = contents.tensors[t.name]
+        assert got.dtype == torch.float32 and torch.equal(got, want), t.name
+
+
+def test_truncated_tensor_data(tmp_path):
+    bad = tmp_path / "short.gguf"
+    with open(sm.gguf_path(), "rb") as f:
+        bad.write_bytes(f.read(sm.GGUF_SIZE - 1000))  # the header whole, the last tensor not
+    with pytest.raises(sm.WeightsError, match="is not a readable GGUF file .*runs past the end"):
+        sm.read_gguf(bad)
+
+
 def test_wrong_architecture_in_metadata(target):
     contents = sm.read_gguf(sm.gguf_path())
     other = dataclasses.replace(llama.CONFIGS["smollm2-135m"], n_layers=24)

@@ -14,6 +14,7 @@ import pytest
 
 from fxcoalesce.apps import tour
 from fxcoalesce.apps.spec.demo import SmolRun, smollm2_lines
+from fxcoalesce.apps.spec.specdecode import SpecOptions
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,7 +38,8 @@ def smol_run() -> SmolRun:
                                     "total": 1400.0}},
                "mean_accepted": 2.28, "tokens_per_s": {"speculative": 3.5, "target_greedy": 6.3},
                "speedup_vs_target_greedy": 0.55, "ranks_agree": True}
-    return SmolRun(summary, {"spec_tokens": 64, "same_tokens": True}, "text", False, None)
+    options = SpecOptions(gguf="", draft="", prompts=((1, 2),), greedy_compiled=False)
+    return SmolRun(summary, {"spec_tokens": 64, "same_tokens": True}, "text", False, options)
 
 
 def test_merge_lines_come_from_the_record():
@@ -61,6 +63,30 @@ def test_smollm2_lines_carry_the_reports_verdict():
     assert "fxcoalesce inside the compile    : 1400.0 ms (pipeline 800.0 ms, agreeing 600.0 ms)" \
         " for the speculative step's graph" in lines
     assert not any("all_reduce" in ln for ln in smollm2_lines(smol_run(), tp=1))
+
+
+def test_smollm2_lines_say_when_greedy_ran_uncompiled():
+    line = next(ln for ln in smollm2_lines(smol_run(), tp=2) if ln.startswith("tokens per"))
+    assert "3.5 speculative, 6.3 target-only greedy, uncompiled (0.55x;" in line
+
+
+def test_the_inspect_example_is_what_the_command_prints():
+    """The demo's last line, traced in-process, is a line of ``fxcoalesce inspect``'s own
+    output for the same command (fake tensors: seconds)."""
+    import shlex
+
+    found, seconds = tour.inspect_example()
+    assert found.startswith("all_reduce launches  ") and seconds > 0
+    proc = subprocess.run([sys.executable, "-m", "fxcoalesce.apps.cli",
+                           *shlex.split(tour.INSPECT_EXAMPLE)[1:]], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    table = dict(re.findall(r"^  (all_reduce launches|verdict) +(.+)$", proc.stdout, re.M))
+    assert found == (f"all_reduce launches  {table['all_reduce launches']}, "
+                     f"{table['verdict']}"), proc.stdout
+    lines = tour.inspect_lines(found, seconds)
+    assert lines[-1].startswith(f"  {tour.INSPECT_EXAMPLE} ")
+    assert lines[-1].endswith(f"   traced just now, {seconds:.1f} s: {found}")
 
 
 def readme_demo_block() -> list[str]:
@@ -101,3 +127,9 @@ def test_demo_as_ci_runs_it():
     assert "the report: already at its bound" in out
     assert "Warning" not in proc.stderr and "leaked" not in proc.stderr, proc.stderr
     assert labels(out.splitlines()) == labels(readme_demo_block())
+    ending = out.splitlines()[-4:]  # how to ask the same of one's own model
+    found, seconds = re.search(r"traced just now, ([\d.]+) s: (.+)$", ending[-1]).group(2, 1)
+    assert ending == tour.inspect_lines(found, float(seconds))
+    shown = readme_demo_block()[-4:]  # the README's block ends the same (the time aside)
+    assert [re.sub(r"[\d.]+ s:", "", ln) for ln in ending] == \
+        [re.sub(r"[\d.]+ s:", "", ln) for ln in shown]

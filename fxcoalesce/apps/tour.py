@@ -10,11 +10,19 @@ in a few minutes.
    answers a prompt with its trained EAGLE-3 head (``heads/smollm2-135m``), the speculative
    step (draft tree, verify, accept) compiled through the pipeline, and against its own
    greedy decoding: the text, the accepted length, whether the tokens are greedy's, and the
-   report's verdict on the step's all_reduces (a sequential model: at its bound).
+   report's verdict on the step's all_reduces (a sequential model: at its bound). The
+   greedy baseline runs uncompiled on a CPU (as fast there, within noise; one compile fewer).
+
+Both parts run in the same rank processes (``tour_worker``): one start, and the compilers'
+one-time costs paid once. Then how to ask the same of one's own model (``fxcoalesce
+inspect``), with what it says of a zoo model, traced here under fake tensors in seconds
+(``INSPECT_EXAMPLE``).
 
 What the pass costs is measured where it is spent, inside each compile (the report's
 ``pass_cost_ms``: its pipeline and the ranks' agreement); a compile's total time follows the
-machine's load and what compiled before it in the process, so it is not compared here.
+machine's load and what compiled before it in the process, so it is not compared here (nor
+warmed up for: bench's untimed warm-up compile is skipped). Rank 0 says on stderr what it
+compiles and decodes, a line at least every 20 s (``apps.progress``).
 """
 
 from __future__ import annotations
@@ -30,6 +38,14 @@ MERGE_TOKENS = 3
 MERGE_ROUNDS = 500
 TOUR_TOKENS = 64
 """New tokens of SmolLM2's answer (``--tokens`` changes it)."""
+WARMUP_TOKENS_CPU = 4
+"""The untimed first decoding on a CPU: it compiles the speculative step (no CUDA graphs to
+record, so a few tokens are enough)."""
+INSPECT_MODEL, INSPECT_LAYERS, INSPECT_TP = "falcon-40b", 2, 8
+INSPECT_EXAMPLE = (f"fxcoalesce inspect --model {INSPECT_MODEL} --layers {INSPECT_LAYERS} "
+                   f"--tp {INSPECT_TP}")
+"""The command whose result the demo's last line shows, traced in the demo's own process
+as the command traces it (tests/test_tour.py checks the line against the command's output)."""
 RECORDED_GPU = "benchmarks/results/gpu_h200x2_2026-11-30/spec_tp2.json"
 """SmolLM2 with the same head and tree on two H200s: what a GPU makes of the same step."""
 DISPLAY = "SmolLM2-135M-Instruct"
@@ -40,17 +56,41 @@ def _spread(v: dict) -> str:
     return f"{v['median_ms']:.2f} ms ({v['p10_ms']:.2f}-{v['p90_ms']:.2f})"
 
 
-def merge_part(args, say) -> dict:
-    """Part 1: the bench record of plain torch.compile against fxcoalesce on MERGE_MODEL."""
-    from fxcoalesce.apps.bench.run import BenchOptions, run_bench
+def merge_options(args, say):
+    """Part 1's bench options: plain torch.compile against fxcoalesce on MERGE_MODEL."""
+    from fxcoalesce.apps.bench.run import BenchOptions
 
     cuda = args.device == "cuda"
-    opt = BenchOptions(model=MERGE_MODEL, tokens=(MERGE_TOKENS,), tp=args.tp,
-                       backend=backend_of(args), device=args.device, cudagraphs=cuda,
-                       variants=("inductor", "fxcoalesce"), steps=MERGE_ROUNDS,
-                       calls_per_sample=10 if cuda else 1, warmup=10,
-                       command=getattr(args, "command_line", ""), progress=say is not None)
-    return run_bench(opt)[0]
+    return BenchOptions(model=MERGE_MODEL, tokens=(MERGE_TOKENS,), tp=args.tp,
+                        backend=backend_of(args), device=args.device, cudagraphs=cuda,
+                        variants=("inductor", "fxcoalesce"), steps=MERGE_ROUNDS,
+                        calls_per_sample=10 if cuda else 1, warmup=10,
+                        command=getattr(args, "command_line", ""), progress=say is not None,
+                        warm_up_compilers=False)
+
+
+def tour_worker(rank: int, world: int, bench_opt, spec_opt) -> dict:
+    """One rank of both parts, in one process: part 1 (``bench_worker``), whose lines rank 0
+    prints as soon as every rank's times are in, then part 2 (``spec_worker``). One process
+    start per rank and one payment of the compilers' one-time costs, not two."""
+    import torch
+    import torch.distributed as dist
+
+    from fxcoalesce.apps.bench.records import environment, merge_ranks
+    from fxcoalesce.apps.bench.run import bench_worker
+    from fxcoalesce.apps.spec.specdecode import spec_worker
+
+    mine = bench_worker(rank, world, bench_opt)
+    every: list = [None] * world
+    dist.all_gather_object(every, mine)
+    rec = None
+    if rank == 0:
+        rec = merge_ranks(every, bench_opt, environment(bench_opt.device))[0]
+        part1 = merge_lines(rec)
+        print("1/2 merging all_reduces: " + part1[0])
+        print("\n".join(part1[1:]), flush=True)
+    torch._dynamo.reset()  # part 1's graphs are not looked at again
+    return {"merge": rec, "spec": spec_worker(rank, world, spec_opt)}
 
 
 def row(label: str, value: str) -> str:
@@ -106,41 +146,85 @@ def recorded_gpu_line() -> str | None:
                f"[{RECORDED_GPU}]")
 
 
+def inspect_example(say=None) -> tuple[str, float]:
+    """(the launches and verdict ``INSPECT_EXAMPLE`` prints, its trace's seconds), traced in
+    this process as the command traces it (fake tensors, a fake group), with the options the
+    command line gives it and inspect's defaults for the rest."""
+    from types import SimpleNamespace
+
+    from fxcoalesce.apps.inspect.command import launches_text, trace
+    from fxcoalesce.config import Config
+
+    args = SimpleNamespace(model=INSPECT_MODEL, layers=INSPECT_LAYERS, tp=INSPECT_TP, hf=None,
+                           tokens=3, step="forward", hand_merged=False, profile=None,
+                           bucket_cap_mb=Config().bucket_cap_mb, verbose=False)
+    traced, _ = trace(args, say or (lambda text: None))
+    r = traced.report
+    return f"all_reduce launches  {launches_text(r.all_reduce)}, {r.verdict}", traced.seconds
+
+
+def inspect_lines(found: str, seconds: float) -> list[str]:
+    """The demo's last lines: how to ask of one's own model, and what a zoo model gave."""
+    doors = [("fxcoalesce inspect --model path/to/file.py:factory --tp N",
+              "factory() returns (module, TP plan, input shape)"),
+             ("fxcoalesce inspect --hf <model type or config.json> --tp N",
+              "a Hugging Face architecture (the hf extra)"),
+             (INSPECT_EXAMPLE, f"traced just now, {seconds:.1f} s: {found}")]
+    width = max(len(command) for command, _ in doors)
+    return ["Your own model: `fxcoalesce inspect` says what fxcoalesce would merge in it, in "
+            "seconds, with no weights and no GPU (fake tensors, a fake group of N ranks):"] + [
+        f"  {command:<{width}}   {what}" for command, what in doors]
+
+
 def run_tour(args) -> int:
-    from fxcoalesce.apps.spec.demo import decode_smollm2, smollm2_lines
+    from fxcoalesce.apps.bench.calibrate import NCCL_MODES
+    from fxcoalesce.apps.launch import spawn
+    from fxcoalesce.apps.spec.demo import prepare_smollm2, smollm2_lines
     from fxcoalesce.apps.spec.smollm2 import NAME
 
     say = None if getattr(args, "quiet", False) else (
         lambda text: print(text, file=sys.stderr, flush=True))
     t0 = time.perf_counter()
+    cuda = args.device == "cuda"
     if say:
         say(f"fxcoalesce demo: 1/2 merging ({MERGE_MODEL}, plain torch.compile against "
-            f"fxcoalesce), 2/2 EAGLE-3 on {NAME}; a few minutes on 2 CPU cores")
-    rec = merge_part(args, say)
-    part1 = merge_lines(rec)
-    print("1/2 merging all_reduces: " + part1[0])
-    print("\n".join(part1[1:]), flush=True)
+            f"fxcoalesce), 2/2 EAGLE-3 on {NAME}, then what `fxcoalesce inspect` says of a "
+            "model; about 2 minutes on 2 CPU cores, longer on a busy machine")
     prompt = args.prompt or DEFAULT_PROMPT
-    run = decode_smollm2(prompt=prompt, tokens=args.tokens or TOUR_TOKENS, tp=args.tp,
-                         device=args.device, backend=args.backend, codegen=args.codegen,
-                         draft=args.draft)
+    job = prepare_smollm2(prompt=prompt, tokens=args.tokens or TOUR_TOKENS,
+                          device=args.device, codegen=args.codegen, draft=args.draft,
+                          quiet=say is None, warmup_tokens=16 if cuda else WARMUP_TOKENS_CPU,
+                          greedy_compiled=cuda)
+    bench_opt = merge_options(args, say)
+    be = bench_opt.backend
+    if say:
+        say(f"starting {args.tp} {be} rank{'s' * (args.tp > 1)} for both parts; part 2: "
+            f"{job.describe(args.tp)}")
+    env = NCCL_MODES.get(bench_opt.nccl_mode, {}) if be == "nccl" else {}
+    ranks = spawn(tour_worker, args.tp, (bench_opt, job.options), backend=be, env=env)
+    rec = ranks[0]["merge"]
+    run = job.finish([r["spec"] for r in ranks])
     print(f"\n2/2 EAGLE-3 speculative decoding of a real model: {DISPLAY}, pretrained, "
           f"with its trained draft head, TP {args.tp} ({run.summary['backend']}, "
           f"{run.summary['device']}), codegen {run.options.codegen}")
-    print(f"\n  {prompt}\n")
-    for line in run.text.splitlines():
-        print(f"  {line}" if line else "")
+    print(f"  Q: {prompt}")
+    for i, line in enumerate(run.text.splitlines()):
+        print(f"  {'   ' if i else 'A: '}{line}" if line else "")
     print()
     for line in smollm2_lines(run, args.tp):
         print(f"  {line}")
     if args.device == "cpu" and (gpu := recorded_gpu_line()):
-        print(gpu)
+        print(gpu, flush=True)
+    found, seconds = inspect_example(say)
     print(f"\nwall time {time.perf_counter() - t0:.0f} s")
+    print("\n".join(inspect_lines(found, seconds)))
     if getattr(args, "out", None):
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         data = {"merge": rec, "speculative": {**run.summary, "text": run.text,
-                                              "prompt": prompt}}
+                                              "prompt": prompt},
+                "inspect": {"command": INSPECT_EXAMPLE, "found": found,
+                            "trace_s": round(seconds, 2)}}
         (out / "demo.json").write_text(json.dumps(data, indent=2, default=str) + "\n")
         print(f"wrote {out / 'demo.json'}")
     return 0

@@ -91,6 +91,10 @@ class BenchOptions:
     """The command line, recorded in the results."""
     progress: bool = True
     """Rank 0 says on stderr what it is doing and how long each part took."""
+    warm_up_compilers: bool = True
+    """Pay the process's one-time compile costs on a tiny graph first, untimed, so that the
+    variants' compile times compare (``compile_timing.warm_up``). ``fxcoalesce demo``, which
+    shows no compile times, skips it."""
     trace_dir: str | None = None
     """If set, after timing: a ``torch.profiler`` chrome trace (CPU ops and, on GPU, kernels)
     of ``TRACE_CALLS`` calls of each compiled variant, rank 0's, written here as
@@ -248,6 +252,12 @@ class _Rank:
         if self.rank == 0 and self.opt.progress:
             print(text, file=sys.stderr, flush=True)
 
+    def phase(self, what: str, **kw):
+        """``progress.Phase`` on rank 0's stderr: what it does, "still ..." while it lasts."""
+        from fxcoalesce.apps.progress import Phase
+
+        return Phase(self.say if self.rank == 0 and self.opt.progress else None, what, **kw)
+
     def call(self, fn, args: tuple):
         """``fn(*args)``, as a step of its own for CUDA-graph trees (each call a new
         generation: no variant's graph is recorded as the child of another's)."""
@@ -268,13 +278,12 @@ def bench_worker(rank: int, world: int, opt: BenchOptions) -> list[dict]:
     """One rank's part of a bench run: per token count, per variant, its step times (µs),
     collectives counted, output error and compile time."""
     r = _Rank(rank, world, opt)
-    if any(name != "eager" and not unavailable(name, opt.device, opt.backend)
-           for name in opt.variants):  # something will compile
-        r.say("warming up the compilers (a tiny graph through Inductor and fxcoalesce, "
-              "untimed) ...")
-        start = time.perf_counter()
-        compile_timing.warm_up(r.dev, dist.group.WORLD)
-        r.say(f"  done in {time.perf_counter() - start:.1f} s")
+    if opt.warm_up_compilers and any(name != "eager" and not unavailable(name, opt.device,
+                                                                          opt.backend)
+                                     for name in opt.variants):  # something will compile
+        with r.phase("warming up the compilers (a tiny graph through Inductor and "
+                     "fxcoalesce, untimed)"):
+            compile_timing.warm_up(r.dev, dist.group.WORLD)
     with torch.no_grad():
         return [_bench_tokens(r, tokens) for tokens in opt.tokens]
 
@@ -304,7 +313,6 @@ def _compile_all(r: _Rank, fns: dict, args: tuple, tokens: int):
                                  on_graph=lambda b, a, report, reports=reports:
                                  reports.append(report), world=dist.get_world_size())
             what = "running" if name == "eager" else "compiling"
-            r.say(f"  {what} {name} ({i}/{len(opt.variants)}) ...")
             dist.barrier()
             graphs, skips = _graphs_made(), _cudagraph_skips()
             if name == "inductor-one-shot":  # its P2P buffers: ids of this graph's own
@@ -317,7 +325,9 @@ def _compile_all(r: _Rank, fns: dict, args: tuple, tokens: int):
             codes: list[str] = []
             start = time.perf_counter()
             try:
-                with cache as info, _output_code(codes):
+                with cache as info, _output_code(codes), r.phase(
+                        f"{what} {name} ({i}/{len(opt.variants)}) on {dist.get_world_size()} "
+                        "ranks", prefix="  ", done=""):
                     r.call(fn, args)
                     seconds = time.perf_counter() - start
                     # CUDA-graph trees record on the second call and replay on the third: a
@@ -415,16 +425,17 @@ def _bench_tokens(r: _Rank, tokens: int) -> dict:
     times = {name: [] for name in calls}
     names = list(calls)
     start, total = time.perf_counter(), before + opt.steps
-    for round_ in range(total):
-        if round_ and round_ % max(total // 4, 1) == 0:  # where a slow or stuck run is
-            r.say(f"    round {round_}/{total}, {time.perf_counter() - start:.1f} s")
-        for name in names if round_ % 2 == 0 else names[::-1]:
-            dist.barrier()
-            out, us = timed(lambda: sample(calls[name]), r.dev)
-            if round_ >= before:
-                times[name].append(us / k)
-            if round_ == before + opt.steps - 1:
-                facts[name]["max_abs_err"] = float((out.float() - reference).abs().max())
+    with r.phase("timing", total=total, unit="rounds", prefix="  ", done="",
+                 announce=False) as phase:
+        for round_ in range(total):
+            for name in names if round_ % 2 == 0 else names[::-1]:
+                dist.barrier()
+                out, us = timed(lambda: sample(calls[name]), r.dev)
+                if round_ >= before:
+                    times[name].append(us / k)
+                if round_ == before + opt.steps - 1:
+                    facts[name]["max_abs_err"] = float((out.float() - reference).abs().max())
+            phase.advance()
     r.say(f"    timed in {time.perf_counter() - start:.1f} s")
     if opt.trace_dir:
         r.say(f"  tracing {TRACE_CALLS} calls of each compiled variant (torch.profiler) ...")

@@ -121,6 +121,12 @@ def _no_all_reduce(args, t: Traced) -> None:
                      f"has nothing to merge: {why}")
 
 
+def launches_text(a: dict) -> str:
+    """'9 -> 5  (lower bound 5)': the table's all_reduce launches, from a report's
+    ``all_reduce``."""
+    return f"{a['before']} -> {a['after']}  (lower bound {a['lower_bound']})"
+
+
 def run_inspect(args, say: Callable[[str], None]) -> int:
     from fxcoalesce.pipeline import graph_text
 
@@ -134,7 +140,7 @@ def run_inspect(args, say: Callable[[str], None]) -> int:
     rows = predictions(t.before, t.after, args.tp, profile=args.profile)
     print(title, file=out)
     print(_table([
-        ("all_reduce launches", f"{a['before']} -> {a['after']}  (lower bound {a['lower_bound']})"),
+        ("all_reduce launches", launches_text(a)),
         ("all_reduce bytes", f"{a['bytes_before']} -> {a['bytes_after']}"),
         ("buckets", len(r.buckets)),
         ("other collectives", r.other_collectives or "none"),

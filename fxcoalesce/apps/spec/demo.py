@@ -50,10 +50,55 @@ class SmolRun:
 
 
 def decode_smollm2(*, prompt: str, tokens: int, tp: int, device: str, backend: str | None,
-                   codegen: str | None, draft: str | None) -> SmolRun:
+                   codegen: str | None, draft: str | None, quiet: bool = False,
+                   warmup_tokens: int = 16, greedy_compiled: bool = True) -> SmolRun:
     """Answer ``prompt`` with SmolLM2-135M and the trained EAGLE-3 head (``draft``, else the
     repository's), speculatively and greedily, on ``tp`` ranks (spawned when more than 1);
-    the weights are fetched once and checked here, before any rank starts."""
+    the weights are fetched once and checked here, before any rank starts. ``quiet``: no
+    progress on stderr; ``warmup_tokens``: the untimed first decoding, which compiles;
+    ``greedy_compiled`` False: the greedy baseline runs uncompiled (one compile fewer)."""
+    job = prepare_smollm2(prompt=prompt, tokens=tokens, device=device, codegen=codegen,
+                          draft=draft, quiet=quiet, warmup_tokens=warmup_tokens,
+                          greedy_compiled=greedy_compiled)
+    be = backend or default_backend(device, tp)
+    if not quiet:
+        print(job.describe(tp) + (f"; starting {tp} {be} ranks ..." if tp > 1 else ""),
+              file=sys.stderr, flush=True)
+    if tp == 1:
+        ranks = [spec_worker(0, 1, job.options)]
+    else:
+        ranks = spawn(spec_worker, tp, (job.options,), backend=be)
+    return job.finish(ranks)
+
+
+@dataclass(slots=True)
+class SmolJob:
+    """A checked SmolLM2 decoding, before any rank starts: the ranks' options and the
+    tokenizer that reads their answer."""
+
+    options: SpecOptions
+    tokenizer: smollm2.ChatTokenizer
+    head: Path
+
+    def describe(self, tp: int) -> str:
+        opt = self.options
+        return (f"speculative decoding: {smollm2.NAME}, TP={tp}, head {self.head}, up to "
+                f"{opt.tokens} new tokens, tree of {opt.total_tokens} (depth {opt.depth}, "
+                f"top-k {opt.top_k}), codegen {opt.codegen}"
+                f"{', CUDA graphs' if opt.mode else ''}")
+
+    def finish(self, ranks: list[dict]) -> SmolRun:
+        """The run from every rank's ``spec_worker`` record."""
+        tok, r = self.tokenizer, ranks[0]["results"][0]
+        return SmolRun(summarize(ranks[0], ranks), r, tok.decode(r["tokens"]).strip(),
+                       r["tokens"][-1] == tok.eos_id, self.options)
+
+
+def prepare_smollm2(*, prompt: str, tokens: int, device: str, codegen: str | None,
+                    draft: str | None, quiet: bool = False, warmup_tokens: int = 16,
+                    greedy_compiled: bool = True) -> SmolJob:
+    """Check the head and the prompt, fetch and check the weights (once), tokenize: what
+    ``spec_worker`` needs, or the ValueError / WeightsError that says what is wrong."""
     from fxcoalesce.models import llama
 
     target_args = llama.CONFIGS[smollm2.NAME]
@@ -65,23 +110,14 @@ def decode_smollm2(*, prompt: str, tokens: int, tp: int, device: str, backend: s
     cuda = device == "cuda"
     opt = SpecOptions(gguf=str(gguf), draft=str(head), prompts=(tuple(ids),), tokens=tokens,
                       device=device, codegen=codegen or ("inductor" if cuda else "eager"),
-                      mode="reduce-overhead" if cuda else None, warmup_tokens=16)
+                      mode="reduce-overhead" if cuda else None, warmup_tokens=warmup_tokens,
+                      greedy_compiled=greedy_compiled, quiet=quiet)
     need = len(ids) + tokens + opt.total_tokens
     if need > target_args.max_seq_len:
         raise ValueError(f"the prompt is {len(ids)} tokens (chat template included); with "
                          f"--tokens {tokens} and a tree of {opt.total_tokens} it needs {need} "
                          f"positions, past {smollm2.NAME}'s context of {target_args.max_seq_len}")
-    print(f"speculative decoding: {smollm2.NAME}, TP={tp}, head {head}, up to {tokens} "
-          f"new tokens, tree of {opt.total_tokens} (depth {opt.depth}, top-k {opt.top_k}), "
-          f"codegen {opt.codegen}{', CUDA graphs' if cuda else ''}; compiling both steps ...",
-          file=sys.stderr, flush=True)
-    if tp == 1:
-        ranks = [spec_worker(0, 1, opt)]
-    else:
-        ranks = spawn(spec_worker, tp, (opt,), backend=backend or default_backend(device, tp))
-    r = ranks[0]["results"][0]
-    return SmolRun(summarize(ranks[0], ranks), r, tok.decode(r["tokens"]).strip(),
-                   r["tokens"][-1] == tok.eos_id, opt)
+    return SmolJob(opt, tok, head)
 
 
 def smollm2_lines(run: SmolRun, tp: int) -> list[str]:
@@ -98,7 +134,8 @@ def smollm2_lines(run: SmolRun, tp: int) -> list[str]:
         f"{' (stopped at EOS)' if run.stopped else ''}",
         f"mean accepted length             : {s['mean_accepted']:.2f} tokens per verify",
         f"tokens per second                : {s['tokens_per_s']['speculative']:.1f} "
-        f"speculative, {s['tokens_per_s']['target_greedy']:.1f} target-only greedy "
+        f"speculative, {s['tokens_per_s']['target_greedy']:.1f} target-only greedy"
+        f"{'' if run.options.greedy_compiled else ', uncompiled'} "
         f"({s['speedup_vs_target_greedy']:.2f}x; prefill included, after compilation)",
         f"tokens equal target greedy       : {r['same_tokens']}",
         f"ranks agree                      : {s['ranks_agree']}"]
@@ -119,7 +156,7 @@ def run_smollm2_demo(args) -> int:
     t0 = time.perf_counter()
     run = decode_smollm2(prompt=args.prompt, tokens=args.tokens or DEFAULT_TOKENS, tp=args.tp,
                          device=args.device, backend=args.backend, codegen=args.codegen,
-                         draft=args.draft)
+                         draft=args.draft, quiet=getattr(args, "quiet", False))
     print(f"\n{args.prompt}\n\n{run.text}\n")
     print(f"{smollm2.NAME}, TP={args.tp} ({run.summary['backend']}), {run.summary['device']}")
     for line in smollm2_lines(run, args.tp):

@@ -9,8 +9,10 @@ also be named by ``FXCOALESCE_SMOLLM2_GGUF`` (machines without a package index).
     target, tok = load_target(device="cuda", dtype=torch.bfloat16)
     ids = tok.encode_chat("Why is the sky blue?")   # chat template from the GGUF metadata
 
-Weights are dequantized by the ``gguf`` package; the tokenizer is built by ``tokenizers``
-from the GGUF's vocabulary and merges, and the chat template is rendered by jinja2.
+The GGUF's header is read here and its weights dequantized in torch, bit for bit as the
+``gguf`` package does (its reader takes seconds over the tokenizer's 100k strings, in every
+rank); the tokenizer is built by ``tokenizers`` from the GGUF's vocabulary and merges, and
+the chat template is rendered by jinja2.
 """
 
 from __future__ import annotations
@@ -18,12 +20,14 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import struct
 import subprocess
 import sys
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 NAME = "smollm2-135m"
@@ -148,22 +152,138 @@ class GGUFContents:
     metadata: dict
     """Scalar and string metadata fields (tokenizer arrays are in ``tokens`` / ``merges``)."""
     tensors: dict
-    """GGUF tensor name -> dequantized float32 numpy array, in PyTorch's [out, in] layout."""
+    """GGUF tensor name -> dequantized float32 tensor, in PyTorch's [out, in] layout."""
     tokens: list
     merges: list
     token_types: list
 
 
+GGUF_MAGIC = b"GGUF"
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q",
+            12: "d"}
+"""GGUF metadata value types -> struct codes (8: string, 9: array)."""
+_STRING, _ARRAY = 8, 9
+
+
+class _Cursor:
+    """Reads GGUF's little-endian header fields from a buffer, front to back."""
+
+    def __init__(self, buf: memoryview):
+        self.buf, self.pos = buf, 0
+
+    def take(self, fmt: str) -> tuple:
+        values = struct.unpack_from("<" + fmt, self.buf, self.pos)
+        self.pos += struct.calcsize("<" + fmt)
+        return values
+
+    def string(self) -> str:
+        (n,) = self.take("Q")
+        end = self.pos + n
+        if end > len(self.buf):
+            raise ValueError(f"a string of {n} bytes runs past the end of the file")
+        text = bytes(self.buf[self.pos:end]).decode("utf-8")
+        self.pos = end
+        return text
+
+    def value(self, kind: int):
+        if kind == _STRING:
+            return self.string()
+        if kind in _SCALARS:
+            return self.take(_SCALARS[kind])[0]
+        if kind != _ARRAY:
+            raise ValueError(f"unknown metadata value type {kind}")
+        elem, n = self.take("IQ")
+        if elem == _STRING:
+            return [self.string() for _ in range(n)]
+        if elem not in _SCALARS:
+            raise ValueError(f"arrays of value type {elem} are not read here")
+        return list(self.take(f"{n}{_SCALARS[elem]}"))
+
+
+def _dequantize(raw: torch.Tensor, kind: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """GGML tensor bytes (uint8) -> float32 of ``shape``. F32, F16, Q8_0 and Q4_1 in torch,
+    in the ``gguf`` package's order of operations (so bit for bit its values); any other
+    type through the ``gguf`` package itself."""
+    from gguf.constants import GGMLQuantizationType as Q
+
+    if kind == Q.F32:
+        out = raw.clone().view(torch.float32)
+    elif kind == Q.F16:
+        out = raw.clone().view(torch.float16).float()
+    elif kind == Q.Q8_0:  # blocks of 32: fp16 scale, 32 int8
+        blocks = raw.view(-1, 34)
+        d = blocks[:, :2].contiguous().view(torch.float16).float()
+        out = blocks[:, 2:].contiguous().view(torch.int8).float() * d
+    elif kind == Q.Q4_1:  # blocks of 32: fp16 scale and min, 16 bytes of two nibbles
+        blocks = raw.view(-1, 20)
+        d = blocks[:, :2].contiguous().view(torch.float16).float()
+        m = blocks[:, 2:4].contiguous().view(torch.float16).float()
+        qs = blocks[:, 4:]
+        out = (d * torch.cat([qs & 0x0F, qs >> 4], dim=1).float()) + m
+    else:
+        import gguf
+
+        rows = raw.numpy().reshape(*shape[:-1], -1)
+        return torch.from_numpy(gguf.quants.dequantize(rows, Q(kind)).copy())
+    return out.reshape(shape)
+
+
+def _parse_gguf(path: Path) -> tuple[dict, dict]:
+    """(metadata fields, tensor name -> float32 tensor in PyTorch's [out, in] layout) of a
+    GGUF file, version 2 or 3, little-endian. Its header is read with ``struct`` and the
+    tensors dequantized in torch: the ``gguf`` package's reader takes seconds over the
+    tokenizer's 100k strings, and each rank reads the file."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    data = np.fromfile(path, dtype=np.uint8)
+    buf = memoryview(data)
+    cur = _Cursor(buf)
+    if bytes(buf[:4]) != GGUF_MAGIC:
+        raise ValueError("no GGUF magic at the start")
+    (version,) = cur.take("4xI")
+    if version not in (2, 3):
+        raise ValueError(f"GGUF version {version} (2 and 3 are read)")
+    n_tensors, n_fields = cur.take("QQ")
+    fields = {}
+    for _ in range(n_fields):
+        key = cur.string()
+        fields[key] = cur.value(cur.take("I")[0])
+    infos = []
+    for _ in range(n_tensors):
+        name = cur.string()
+        (n_dims,) = cur.take("I")
+        dims = cur.take(f"{n_dims}Q")
+        kind, offset = cur.take("IQ")
+        infos.append((name, dims, kind, offset))
+    align = int(fields.get("general.alignment", 32))
+    start = -(-cur.pos // align) * align
+    raw = torch.from_numpy(data)
+    tensors = {}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # small tensors: threads that wait on each other on a busy machine
+    try:
+        for name, dims, kind, offset in infos:
+            block, size = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
+            count = 1
+            for d in dims:
+                count *= d
+            lo = start + offset
+            hi = lo + count // block * size
+            if hi > len(data):
+                raise ValueError(f"tensor {name} runs past the end of the file")
+            tensors[name] = _dequantize(raw[lo:hi], kind, tuple(reversed(dims)))
+    finally:
+        torch.set_num_threads(threads)
+    return fields, tensors
+
+
 @functools.lru_cache(maxsize=2)
 def read_gguf(path: Path) -> GGUFContents:
-    """Parse and dequantize ``path`` with the ``gguf`` package (cached per process)."""
-    gguf = _require("gguf")
-
+    """Parse and dequantize ``path`` (cached per process)."""
+    _require("gguf")  # its tables of quantization types, and the rarer types' dequantizing
     try:
-        reader = gguf.GGUFReader(path)
-        fields = {k: f.contents() for k, f in reader.fields.items()}
-        tensors = {t.name: gguf.quants.dequantize(t.data, t.tensor_type) for t in reader.tensors}
-    except Exception as e:  # the gguf package raises ValueError, struct.error, IndexError ...
+        fields, tensors = _parse_gguf(path)
+    except Exception as e:  # struct.error, ValueError, UnicodeDecodeError, KeyError ...
         raise WeightsError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e}); "
                            "is it truncated or corrupt?") from None
     arrays = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type")
@@ -198,7 +318,7 @@ def state_dict(contents: GGUFContents, n_layers: int) -> dict[str, torch.Tensor]
     missing = sorted(set(names) - set(contents.tensors))
     if missing:
         raise WeightsError(f"the GGUF lacks tensors {missing[:4]}")
-    return {dst: torch.tensor(contents.tensors[src]) for src, dst in names.items()}  # copies
+    return {dst: contents.tensors[src].clone() for src, dst in names.items()}  # copies
 
 
 class ChatTokenizer:

@@ -10,7 +10,9 @@ compiles two steps through the fxcoalesce backend with the same settings:
 
 ``mode="reduce-overhead"`` makes each a CUDA graph on GPUs. A warm-up prompt compiles and
 records them; every prompt is then decoded both ways, timed end to end (prefill included),
-and the two token sequences are compared.
+and the two token sequences are compared. ``greedy_compiled=False`` (``fxcoalesce demo`` on
+a CPU) runs the greedy step uncompiled: one compile fewer, greedy's tokens the plain model's.
+Rank 0 says on stderr what it loads, compiles and decodes (``apps.progress``).
 
 Before torch 2.14 the backend leaves Inductor's own comm-reordering passes off: there
 ``sink_waits`` moved the wait of the speculative step's last all_reduce past a fused kernel
@@ -22,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -59,6 +60,13 @@ class SpecOptions:
     """New tokens of the untimed warm-up run on the first prompt (compiles, records graphs)."""
     progress: str | None = None
     """Rank 0 rewrites this JSON file with the summary so far after every prompt."""
+    greedy_compiled: bool = True
+    """Compile the target-only greedy step too (the baseline); False runs it eagerly: one
+    compile fewer (``fxcoalesce demo``: on a CPU the eager step is as fast, within noise),
+    and greedy's tokens are then those of the uncompiled model."""
+    quiet: bool = False
+    """Rank 0 says nothing on stderr (else: what it loads, compiles and decodes, time so far,
+    a line at least every ``progress.HEARTBEAT_S`` seconds)."""
 
 
 def cache_len(opt: SpecOptions) -> int:
@@ -75,6 +83,7 @@ def _sync(dev: torch.device) -> None:
 
 def spec_worker(rank: int, world: int, opt: SpecOptions) -> dict:
     """One rank: decode every prompt target-only and speculatively; per-prompt results."""
+    from fxcoalesce.apps.progress import Phase, first_call_announced, stderr_say
     from fxcoalesce.models import eagle3_static as es
     from fxcoalesce.models import llama
 
@@ -86,11 +95,15 @@ def spec_worker(rank: int, world: int, opt: SpecOptions) -> dict:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     group = dist.group.WORLD if world > 1 else None
     dtype = torch.bfloat16 if cuda else torch.float32
-    target, tok = smollm2.load_target(device=dev, dtype=dtype, path=opt.gguf)
-    draft, head_config = load_head(opt.draft, target_name=smollm2.NAME, target_args=target.args,
-                                   embed_weight=target.embed.weight.detach().clone(), device=dev,
-                                   dtype=dtype)
-    llama.apply_tp(target, group)
+    say = stderr_say if rank == 0 and not opt.quiet else None
+    on = f"on {world} rank{'s' * (world > 1)}"
+    with Phase(say, f"loading {smollm2.NAME} and its draft head {on}"):
+        target, tok = smollm2.load_target(device=dev, dtype=dtype, path=opt.gguf)
+        draft, head_config = load_head(opt.draft, target_name=smollm2.NAME,
+                                       target_args=target.args,
+                                       embed_weight=target.embed.weight.detach().clone(),
+                                       device=dev, dtype=dtype)
+        llama.apply_tp(target, group)
     spec = es.TreeSpec(top_k=opt.top_k, depth=opt.depth, total_tokens=opt.total_tokens)
     T = cache_len(opt)
     target.setup_cache(1, T)
@@ -103,22 +116,57 @@ def spec_worker(rank: int, world: int, opt: SpecOptions) -> dict:
                      on_graph=lambda before, after, report: reports[label].append(report))
         return torch.compile(fn, backend=be, fullgraph=True)
 
-    decode, step = compiled(es.decode_step, "decode"), compiled(es.spec_step, "spec")
+    how = f"fxcoalesce, codegen {opt.codegen}{', CUDA graphs' if opt.mode else ''}"
+    # the first call compiles (Dynamo, AOTAutograd, the passes, the ranks' agreement)
+    decode = (first_call_announced(compiled(es.decode_step, "decode"), say,
+                                   f"compiling the greedy decode step ({how}) {on}")
+              if opt.greedy_compiled else es.decode_step)
+    step = first_call_announced(compiled(es.spec_step, "spec"), say,
+                                f"compiling the speculative step: draft tree, verify, accept "
+                                f"({how}) {on}")
     stop = (tok.eos_id,)
 
-    def run_both(ids: tuple[int, ...], tokens: int) -> dict:
+    def counted(fn, phase: Phase | None, greedy: bool):
+        """``fn`` that advances ``phase`` by the tokens of each step (the speculative step's
+        from its input, which the loop has read already: on CPU only, where that is free)."""
+        if phase is None or not phase.say:
+            return fn
+
+        def call(*args):
+            if greedy:
+                phase.advance()
+            elif not cuda and phase.count:
+                phase.advance(int(args[2][1]))
+            else:
+                phase.advance(0 if phase.count else 1)  # the prefill's token
+            return fn(*args)
+        return call
+
+    def run_both(ids: tuple[int, ...], tokens: int, shown: bool = False,
+                 greedy_too: bool = True) -> dict:
         prompt = torch.tensor(ids, device=dev)
+        bars = (lambda what: Phase(say if shown else None, what, total=tokens, unit="tokens",
+                                   done=""))
         if group is not None:
             dist.barrier()
         _sync(dev)
         t0 = time.perf_counter()
-        greedy = es.greedy_generate_static(target, prompt, tokens, step_fn=decode,
-                                           stop_tokens=stop)
+        greedy = []
+        with bars(f"decoding greedily{'' if opt.greedy_compiled else ', uncompiled,'} {on}"
+                  ) as phase:
+            phase.advance()  # the prefill's token
+            if greedy_too:
+                greedy = es.greedy_generate_static(target, prompt, tokens,
+                                                   step_fn=counted(decode, phase, True),
+                                                   stop_tokens=stop)
+            phase.count = len(greedy)
         _sync(dev)
         t1 = time.perf_counter()
-        spec_out, stats = es.speculative_generate_static(target, draft, prompt, tokens,
-                                                         spec=spec, step_fn=step,
-                                                         stop_tokens=stop)
+        with bars(f"decoding speculatively {on}") as phase:
+            spec_out, stats = es.speculative_generate_static(
+                target, draft, prompt, tokens, spec=spec, step_fn=counted(step, phase, False),
+                stop_tokens=stop)
+            phase.count = len(spec_out)
         _sync(dev)
         t2 = time.perf_counter()
         return {"prompt_tokens": len(ids), "greedy_tokens": len(greedy),
@@ -128,7 +176,10 @@ def spec_worker(rank: int, world: int, opt: SpecOptions) -> dict:
 
     t0 = time.perf_counter()
     with torch.no_grad():
-        run_both(opt.prompts[0], opt.warmup_tokens)  # compile, record the graphs
+        # compile, record the graphs (an uncompiled greedy step has nothing to warm up)
+        run_both(opt.prompts[0], opt.warmup_tokens, greedy_too=opt.greedy_compiled)
+    if say:
+        say(f"  compiled and warmed up in {time.perf_counter() - t0:.1f} s")
     record = {"rank": rank, "world": world, "device": str(dev),
               "device_name": torch.cuda.get_device_name(dev) if cuda else "cpu",
               "backend": dist.get_backend() if group else "none",
@@ -143,15 +194,14 @@ def spec_worker(rank: int, world: int, opt: SpecOptions) -> dict:
               "torch": torch.__version__, "results": []}
     for i, ids in enumerate(opt.prompts):
         with torch.no_grad():
-            r = run_both(ids, opt.tokens)
+            r = run_both(ids, opt.tokens, shown=say is not None)
         record["results"].append(r)
-        if rank == 0:
-            print(f"  prompt {i + 1}/{len(opt.prompts)}: greedy {r['greedy_tokens']} tokens in "
-                  f"{r['greedy_s']:.3f} s, speculative {r['spec_tokens']} in {r['spec_s']:.3f} s "
-                  f"({len(r['accepted'])} steps), same tokens: {r['same_tokens']}",
-                  file=sys.stderr, flush=True)  # progress: the figures come after
-            if opt.progress:
-                Path(opt.progress).write_text(json.dumps(summarize(record, [record]), indent=1))
+        if say:  # progress: the figures come after
+            say(f"  prompt {i + 1}/{len(opt.prompts)}: greedy {r['greedy_tokens']} tokens in "
+                f"{r['greedy_s']:.3f} s, speculative {r['spec_tokens']} in {r['spec_s']:.3f} s "
+                f"({len(r['accepted'])} steps), same tokens: {r['same_tokens']}")
+        if rank == 0 and opt.progress:
+            Path(opt.progress).write_text(json.dumps(summarize(record, [record]), indent=1))
     record["graphs"] = {k: len(v) for k, v in reports.items()}  # a recompile would show here
     return record
 
