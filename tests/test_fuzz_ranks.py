@@ -47,11 +47,23 @@ FIXED = {
 }
 
 
+KNOWN = {
+    10002: "open (issue 32): rank 0 alone sets a flag that puts a print inside the layer loop "
+           "of a function the ranks agreed to rewrite; at that recompile Dynamo skips rank "
+           "0's frame, which then runs uncompiled against rank 1's tagged graph: gloo aborts "
+           "on the size (also seeds 10016, 6130; docs/rank-agreement.md, what stays outside)",
+}
+"""Fixed programs that fail today for a reason understood and written down: strict xfails,
+so a fix flips them (then move them back to FIXED)."""
+
+
 def _failures(res: dict) -> dict:
     return {v: r for v, r in res["variants"].items() if r["outcome"] in oracle.FAILURES}
 
 
-@pytest.mark.parametrize("seed", sorted(FIXED))
+@pytest.mark.parametrize("seed", sorted(set(FIXED) - set(KNOWN)) + [
+    pytest.param(s, marks=pytest.mark.xfail(strict=True, reason=why))
+    for s, why in KNOWN.items()])
 def test_a_fixed_program_on_two_ranks(seed):
     res = record.fuzz_one(generate(seed, 2, inductor=False), group_timeout=GROUP_TIMEOUT_S)
     # the fixed programs are ones plain torch.compile runs right (else they prove nothing)
