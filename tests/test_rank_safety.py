@@ -24,17 +24,9 @@ import torch.distributed._functional_collectives as funcol
 
 import fxcoalesce
 from fxcoalesce.apps.launch import spawn
+from test_job_life import ar, waited  # the same helpers as the job's-life tests
 
 GROUP_TIMEOUT_S = 40
-
-
-def ar(x, group=None):
-    return funcol.all_reduce(x, "sum", group or dist.group.WORLD)
-
-
-def waited(out):
-    out = out if isinstance(out, tuple) else (out,)
-    return tuple(t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t for t in out)
 
 
 def close(got, want, tol=1e-5) -> bool:
