@@ -85,10 +85,6 @@ CHECKED = "fxcoalesce_tag"
 """Node meta key on a tagged all_reduce: its tag id."""
 
 
-class TagMismatchError(RuntimeError):
-    """Raised by a tag check: ranks paired different collectives at run time."""
-
-
 def taggable(node: Node, world: int) -> bool:
     """Does this collective carry a tag: a functional all_reduce of a tagged op and dtype?"""
     val = tensor_val(node.args[0]) if op_of(node) is ALL_REDUCE else None

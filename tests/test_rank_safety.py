@@ -24,7 +24,7 @@ import torch.distributed._functional_collectives as funcol
 
 import fxcoalesce
 from fxcoalesce.apps.launch import spawn
-from test_job_life import ar, waited  # the same helpers as the job's-life tests
+from test_job_life import ar, logs_every_second_step, waited  # shared with the job's life
 
 GROUP_TIMEOUT_S = 40
 
@@ -96,14 +96,6 @@ def test_a_flag_one_rank_sets_after_two_cuts_is_right_on_4_ranks():
 
 
 # --- 2. logging every second step; eager collectives between calls; disable on one rank ---
-
-def logs_every_second_step(x, y, step):
-    a = ar(x * 2)
-    if dist.get_rank() == 0 and (step + 1) % 2 == 0:
-        print(f"rank 0 logs at step {step}", flush=True)
-    b = ar(y * 3)
-    return a + b
-
 
 def first_part(x, y):
     if dist.get_rank() == 0:
