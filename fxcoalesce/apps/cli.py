@@ -249,6 +249,11 @@ def parser() -> argparse.ArgumentParser:
     i.add_argument("--layers", type=int,
                    help="override the number of layers of a zoo model or --hf config "
                         "(default: its own)")
+    i.add_argument("--all-layers", action="store_true",
+                   help="--hf and factories: trace every layer (default: one layer of each "
+                        "kind, the first and the last apart, and the whole step's report "
+                        "composed from them: the same counts, bytes and bound in a fraction "
+                        "of the time; zoo models always trace every layer)")
     i.add_argument("--bucket-cap-mb", type=float, default=Config().bucket_cap_mb,
                    help="largest fused all_reduce, in MB (default: %(default)s)")
     i.add_argument("--out", help="directory to write report.json, before.txt and after.txt "

@@ -3,6 +3,7 @@ and print the report the backend wrote for it, with each profile's predicted com
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 import traceback
@@ -14,6 +15,8 @@ from typing import NoReturn
 from fxcoalesce.config import Config, CostModel
 from fxcoalesce.report import merge_line
 
+from fxcoalesce.apps.inspect.check import CheckCost, check_cost
+from fxcoalesce.apps.inspect.compose import Composed, compose, only_picked, plan_layers
 from fxcoalesce.apps.inspect.profiles import predictions, read_as_is
 from fxcoalesce.apps.trace import Traced
 
@@ -41,7 +44,15 @@ def config_of(args) -> Config:
 
 
 def trace(args, say: Callable[[str], None]) -> tuple[Traced, str]:
-    """The traced step and its one-line description, from the door ``args`` name."""
+    """The traced step and its one-line description, from the door ``args`` name (the
+    report composed from one layer of each kind, unless ``args.all_layers``)."""
+    t, title, _ = trace_composed(args, say)
+    return t, title
+
+
+def trace_composed(args, say: Callable[[str], None]
+                   ) -> tuple[Traced, str, Composed | None]:
+    """:func:`trace`, and how its report was composed (None: every layer was traced)."""
     from fxcoalesce.apps.trace import trace_model
 
     cfg = config_of(args)
@@ -56,9 +67,8 @@ def trace(args, say: Callable[[str], None]) -> tuple[Traced, str]:
         except Exception as e:
             _failed(args, e, None, say)
         return t, (f"{args.model}{' (hand-merged)' if args.hand_merged else ''}  "
-                   f"step={args.step}  TP={args.tp}  tokens={args.tokens}")
+                   f"step={args.step}  TP={args.tp}  tokens={args.tokens}"), None
     from fxcoalesce.apps.launch import init_fake_group
-    from fxcoalesce.apps.trace import trace_step
 
     t0 = time.perf_counter()
     group = init_fake_group(args.tp)
@@ -73,20 +83,41 @@ def trace(args, say: Callable[[str], None]) -> tuple[Traced, str]:
         say(f"calling {args.model} on the meta device, sharding it over {args.tp} fake "
             "ranks ...")
         built = build_factory(args.model, args.tp, group)
+    title = f"{built.what}  TP={args.tp}"
+    config = getattr(built.model, "config", None) if kind == "hf" else None
+    plan = None if getattr(args, "all_layers", False) else plan_layers(built.model, config)
     say(f"  built in {time.perf_counter() - t0:.1f} s ({built.parameters / 1e9:.2f}B "
-        "parameters, no weights); tracing its step: Dynamo, AOTAutograd and the pipeline ...")
+        "parameters, no weights)"
+        + (f"; {plan.text().split(', and composed')[0]}" if plan else ""))
+    if plan is not None:
+        with only_picked(plan, config):
+            before, after, report = _trace_built(args, built, cfg, say,
+                                                 f"{len(plan.picked)} of its {plan.depth} layers")
+        composed = compose(before, after, report, plan, cost=cfg.cost)
+        if not isinstance(composed, str):
+            return (Traced(before, after, composed.report, time.perf_counter() - t0), title,
+                    composed)
+        say(f"  the report cannot be composed from them: {composed}; tracing every layer")
+    before, after, report = _trace_built(args, built, cfg, say, "its step")
+    return Traced(before, after, report, time.perf_counter() - t0), title, None
+
+
+def _trace_built(args, built, cfg: Config, say: Callable[[str], None], what: str):
+    """``trace_step`` of ``built``, with progress (a line every ``HEARTBEAT_S``)."""
+    from fxcoalesce.apps.progress import Phase
+    from fxcoalesce.apps.trace import trace_step
+
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), Phase(
+                say, f"tracing {what}: Dynamo, AOTAutograd and the pipeline", prefix="  ",
+                done="traced"):
             # transformers' MoE checks the torch version through an lru_cache: dynamo's note
             # about it (once per call site) is about their code, and not the user's to act on
             warnings.filterwarnings("ignore", message="Dynamo detected a call to a "
                                     "`functools.lru_cache`-wrapped function")
-            before, after, report = trace_step(built.fn, built.args, built.mode, config=cfg)
+            return trace_step(built.fn, built.args, built.mode, config=cfg)
     except Exception as e:
         _failed(args, e, built, say)
-    seconds = time.perf_counter() - t0
-    say(f"  traced in {seconds:.1f} s")
-    return Traced(before, after, report, seconds), f"{built.what}  TP={args.tp}"
 
 
 def _failed(args, e: Exception, built, say: Callable[[str], None]) -> NoReturn:
@@ -121,6 +152,16 @@ def _no_all_reduce(args, t: Traced) -> None:
                      f"has nothing to merge: {why}")
 
 
+def _check(args, t: Traced) -> CheckCost:
+    """What the run-time check adds to the step, as a run sends it (``check``)."""
+    from fxcoalesce.collectives import program_sequence, sequence_after
+
+    rewritten = (sequence_after(t.before, t.after, t.report)
+                 != program_sequence(t.before.graph))
+    return check_cost(t.after, args.tp, rewritten=rewritten,
+                      run_checks=config_of(args).run_checks)
+
+
 def launches_text(a: dict) -> str:
     """'9 -> 5  (lower bound 5)': the table's all_reduce launches, from a report's
     ``all_reduce``."""
@@ -133,27 +174,40 @@ def run_inspect(args, say: Callable[[str], None]) -> int:
     # DOT without --out goes to stdout, so that it pipes into `dot`; the table goes aside
     out = sys.stderr if args.format == "dot" and not args.out else sys.stdout
     sys.stdout.flush()  # what --trace printed comes first, also when both go to one pipe
-    t, title = trace(args, say)
+    t, title, composed = trace_composed(args, say)
     _no_all_reduce(args, t)
     r = t.report
     a = r.all_reduce
-    rows = predictions(t.before, t.after, args.tp, profile=args.profile)
+    check = _check(args, t)
+    rows = predictions(t.before, t.after, args.tp, profile=args.profile,
+                       predict_with=composed.predict if composed else None)
     print(title, file=out)
+    if composed:
+        print(f"  {composed.plan.text()}", file=out)
+    sent = a["bytes_after"] + check.bytes
     print(_table([
         ("all_reduce launches", launches_text(a)),
-        ("all_reduce bytes", f"{a['bytes_before']} -> {a['bytes_after']}"),
+        ("all_reduce bytes", f"{a['bytes_before']} -> {sent}"
+                             + (f"  ({a['bytes_after']} + {check.bytes} of the run-time check)"
+                                if check.bytes else "")),
+        ("run-time check", check.text()),
         ("buckets", len(r.buckets)),
         ("other collectives", r.other_collectives or "none"),
         ("graph nodes", f"{r.nodes['before']} -> {r.nodes['after']}"),
-        ("pipeline time", f"{r.total_ms:.1f} ms in all (analysis {r.analysis_ms:.1f} ms, "
+        ("pipeline time", f"{r.total_ms:.1f} ms in all"
+                          + (" for the traced layers" if composed else "")
+                          + f" (analysis {r.analysis_ms:.1f} ms, "
                           + ", ".join(f"{p['name']} {p['ms']:.1f} ms" for p in r.passes)
                           + ")"),
         ("trace time", f"{t.seconds:.1f} s"),
         ("verdict", r.verdict),
     ]), file=out)
     lines = [merge_line(b) for b in r.buckets]
+    if composed:  # FX names are the traced layers': the module paths are the model's own
+        lines = [re.sub(r"  \[[^\]]*\]$", "", line) for line in lines]
     if lines:
-        print("  what it merged (module paths, FX names in brackets):", file=out)
+        print("  what it merged (module paths" + ("" if composed else ", FX names in brackets")
+              + "):", file=out)
         shown = lines if len(lines) <= MERGE_LINES else lines[:MERGE_LINES - 1]
         for line in shown:
             print(f"    {line}", file=out)
@@ -168,12 +222,17 @@ def run_inspect(args, say: Callable[[str], None]) -> int:
         extra = {"model": args.hf or args.model, "door": door(args), "title": title,
                  "world_size": args.tp, "tokens": args.tokens, "step": args.step,
                  "hand_merged": args.hand_merged, "layers": args.layers,
-                 "trace_s": round(t.seconds, 2),
+                 "trace_s": round(t.seconds, 2), "run_time_check": check.to_dict(),
+                 "composed": ({"text": composed.plan.text(), "layers": composed.plan.depth,
+                               "traced": composed.plan.picked,
+                               "stands_for": composed.plan.weights}
+                              if composed else None),
                  "predicted_per_profile": [p.to_dict() for p in rows]}
         (directory / "report.json").write_text(r.to_json(**extra) + "\n")  # a last line
         (directory / "before.txt").write_text(graph_text(t.before, r.modules))
         (directory / "after.txt").write_text(graph_text(t.after, r.modules))
-        print(f"wrote {directory}/report.json, before.txt, after.txt")
+        print(f"wrote {directory}/report.json, before.txt, after.txt"
+              + (" (the graphs of the traced layers)" if composed else ""))
     draw_model(args, t, title)
     return 0
 

@@ -23,7 +23,7 @@ from torch.fx import GraphModule
 
 from fxcoalesce.analysis import analyze
 from fxcoalesce.config import CostModel
-from fxcoalesce.cost import predict
+from fxcoalesce.cost import predict as _predict
 
 RESULTS = Path(__file__).resolve().parents[3] / "benchmarks" / "results"
 MEASURED = (
@@ -111,10 +111,13 @@ def shown(path: Path | str) -> str:
 
 
 def predictions(before: GraphModule, after: GraphModule, tp: int, *,
-                profile: str | None = None) -> list[Prediction]:
+                profile: str | None = None, predict_with=None) -> list[Prediction]:
     """One prediction per profile (the user's, the measured ones, the default model) of the
     step's all_reduce time before and after the pipeline. The pipeline chose its rewrite
-    with ``profile`` (the user's), else with the default model: that row says so."""
+    with ``profile`` (the user's), else with the default model: that row says so.
+    ``predict_with(analysis, cost, tp)`` replaces ``cost.predict`` (a composed report's
+    graphs: ``compose.predict_composed``)."""
+    predict = predict_with or _predict
     graphs = analyze(before), analyze(after)
     rows = []
     for path, kind in profile_paths(profile):
