@@ -78,6 +78,12 @@ def _source(node: Node) -> Node | None:
     return src if isinstance(src, Node) else None
 
 
+def layout_source(node: Node) -> Node | None:
+    """The tensor a layout-only op (``RESHAPES``, ``SAME_VALUE``) takes its elements from, or
+    None if ``node`` is not one."""
+    return _source(node)
+
+
 def layout_chain(wait: Node, order: dict[Node, int]) -> LayoutChain:
     """The longest chain of layout-only ops from ``wait``: each reads the one before as its
     source and is its only user, and every other node it reads (a size, a copy's

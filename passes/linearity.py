@@ -1,51 +1,92 @@
-"""linearity: a sum of all_reduces becomes the all_reduce of the sum.
+"""linearity: the reduction moves past what is linear, so one all_reduce replaces several.
 
 Requires: ``cfg.reassociate`` (the partial sums are added before the reduction instead of
 after it, which changes floating-point rounding; with ``reassociate=False`` the pass leaves
-the graph alone). Ensures: in every tree of adds, subtractions and scalings whose leaves
-include two or more all_reduces with one key (same group, same op, sum or avg, same dtype)
-read with one shape, each through its wait directly or through layout-only ops after it
-(``passes.layout``: view, reshape, unsqueeze, a copy back, ...) that nothing else reads,
-those all_reduces become one, of the combined partial sums, each partial put through its
-own wait's layout ops: one launch instead of several, and the bytes of one. Parallel
-attention + MLP blocks and shared + routed experts then match the engines' hand merge in
-launches and bytes.
+the graph alone). An all_reduce of op sum or avg is linear in what it reduces, so every map
+``L`` that is linear and applied alike on every rank commutes with it, and sums of such
+terms combine:
 
-    before                                    after
-    %wa = wait(all_reduce(%p, sum, 0))        %pv = reshape(%p, [1, 6, 64])
-    %va = view(%wa, [1, 6, 64])               %s  = add(%pv, %q)
-    %wb = wait(all_reduce(%q, sum, 0))        %w  = wait(all_reduce(%s, sum, 0))
-    %h  = add(%x, %va)                        %o  = add(%x, %w)
-    %o  = add(%h, %wb)
+    L(AR(x)) == AR(L(x))          c1 * L1(AR(a)) + c2 * L2(AR(b)) == AR(c1 * L1(a) + c2 * L2(b))
 
-Never fires when a wait or one of its layout ops has another consumer, when dtypes, groups,
+Ensures: each all_reduce is read through its *linear chain*: the ops after its wait, each the
+only user of the one before, that are a linear map of that value alone, with arguments the
+graph itself holds (so every rank's are in its issue sequence, below): the layout-only ops
+(``passes.layout``: view, reshape, unsqueeze, a copy back, ...), ``sum`` and ``mean`` over
+dimensions, ``permute``, ``transpose``, ``t``, and a scaling (``neg``, ``mul`` or ``div`` by a
+Python number or by a one-element constant the graph makes: ``scalar_tensor``, ``full``, a
+``get_attr``), in the value's own dtype and never broadcasting it larger. In every tree of
+adds, subtractions, scalings, negations, functional copies (``out.add_(y)``, functionalized:
+``add`` and a ``copy`` back) and sums over the dimension of a ``stack`` whose leaves include
+two or more chain ends of all_reduces with one key (same group, same op, sum or avg, same
+dtype) and one shape, those all_reduces become one, of the combined partials, each partial
+put through its own chain (layout ops as reshapes). A chain that shrinks its value (a sum or
+mean over dimensions) is moved past alone too: ``sum_d(AR(x))`` becomes ``AR(sum_d(x))``.
+One launch instead of several, and the bytes of the smallest value read. Parallel attention
++ MLP blocks and shared + routed experts then match the engines' hand merge in launches and
+bytes; Llama-4's MoE (transformers), whose routed experts' all_reduce is read as
+``routed.reshape(k, n, d).sum(0)`` and added in place into the shared expert's:
+
+    before                                        after
+    %wr = wait(all_reduce(%r, sum, 0))   [k*n, d]  %rk = reshape(%r, [k, n, d])
+    %vr = view(copy(%r, %wr), [k, n, d])           %rs = sum(%rk, [0])
+    %sr = sum(%vr, [0])                  [n, d]    %p  = add(%s, %rs)
+    %ws = wait(all_reduce(%s, sum, 0))   [n, d]    %w  = wait(all_reduce(%p, sum, 0))  [n, d]
+    %o  = add(copy(%s, %ws), %sr)                  %o' = %w
+
+(two launches of (k + 1) n d elements -> one of n d). A root whose layout the rewrite would
+change (a sum of permuted terms reads back contiguous) gets its strides back by a copy into
+an ``empty_strided`` buffer laid out as before, so every later node sees what it saw.
+
+Never fires when a wait or one of its chain's ops has another consumer, when dtypes, groups,
 ops or the shapes read differ (broadcasting could make the sum larger than any member), for
-ops other than sum and avg (both linear), or through a scaling by anything but a Python
-number (a tensor factor might differ between ranks). The new all_reduce takes the issue
-place of the first one it replaces (rank-invariant, see ``graph_order``).
+ops other than sum and avg (max and min commute with no sum: ``max(a) + max(b)`` is not
+``max(a + b)``), through a scaling by a tensor the graph does not make (a weight or an input
+might differ between ranks), or an op whose other inputs come after the all_reduce. The
+all_reduce that opens a rewritten graph's run-time check (``tag.pinned``) is moved past what
+keeps its element count only. Arguments one rank's graph sees are compared across ranks, as
+the slice pass's are: the new collective's origin (``meta.ORIGIN``, part of the issue
+sequence the ranks agree on) names each member's maps with their input shapes and
+arguments and its coefficient, ``sum(#3,sum[4, 6, 64]([0])(#2))``; a permute whose dims
+differ between ranks makes the ranks' sequences differ, and every rank compiles without
+this pass. The new all_reduce takes the issue place of the first one it replaces
+(rank-invariant, see ``graph_order``).
 """
 
 from __future__ import annotations
 
+import operator
+from dataclasses import dataclass, field
 
 import torch
 from torch.fx import GraphModule, Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.utils._pytree import tree_leaves
 
 from fxcoalesce.analysis import analyze
-from fxcoalesce.collectives import ALL_REDUCE, WAIT, CommBlock
+from fxcoalesce.collectives import ALL_REDUCE, WAIT, CommBlock, op_name
 from fxcoalesce.config import Config
 from fxcoalesce.graph_order import reorder
-from fxcoalesce.meta import (ORIGIN, REPLACES, fake_mode_of, hinted_nbytes, is_scalar, origin,
-                             replaced, same_shape, tensor_val)
+from fxcoalesce.meta import (ORIGIN, REPLACES, fake_mode_of, hinted_nbytes, hinted_numel,
+                             is_scalar, numel, origin, replaced, same_shape, tensor_val)
 
 from .decide import Decider
 from .emit import Emitter, place
-from .layout import LayoutChain, layout_chain, replay
+from .layout import SAME_VALUE, VIEWS, layout_chain, layout_source, restorable
 from .result import Bucket, PassResult
+from .tag import pinned
 
 aten = torch.ops.aten
 LINEAR_OPS = (aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor)
 LINEAR_REDUCTIONS = ("sum", "avg")
+MAPS = {aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.permute.default,
+        aten.transpose.int, aten.t.default}
+"""Linear maps of one tensor whose other arguments are ints (dims), read through after a
+wait: what they do to the flat row-major buffer is fixed by their input's shape and those
+ints, which the new collective's origin records."""
+SHRINKING = {aten.sum.dim_IntList, aten.sum.default, aten.mean.dim}
+SCALINGS = {aten.mul.Tensor, aten.div.Tensor, aten.neg.default}
+STACK_REDUCTIONS = {aten.sum.dim_IntList: 1, aten.mean.dim: -1}
+"""``op(stack(ts, k), [k])``: the sum of ``ts`` (or their mean: coefficient 1/len)."""
 
 
 def _dtype(node) -> torch.dtype | None:
@@ -53,68 +94,238 @@ def _dtype(node) -> torch.dtype | None:
     return val.dtype if val is not None else None
 
 
-def _children(node: Node) -> list[tuple[object, float]] | None:
-    """The terms ``node`` adds up, with their coefficients, or None if it is not linear."""
-    if node.op != "call_function" or node.target not in LINEAR_OPS or len(node.args) != 2:
+def _attr(gm: GraphModule | None, target: str):
+    try:
+        return operator.attrgetter(target)(gm) if gm is not None else None
+    except AttributeError:
+        return None
+
+
+def constant(x, gm: GraphModule | None = None) -> float | None:
+    """``x``'s value where every rank's graph spells it out: a Python number, or a
+    one-element tensor the graph makes from one (``scalar_tensor``, ``full``, a lifted
+    ``get_attr`` constant of ``gm``); None for anything else (a weight, an input: their
+    values could differ between ranks unseen). Never a bool (it selects, it does not
+    scale)."""
+    if is_scalar(x):
+        return x
+    if not isinstance(x, Node):
+        return None
+    if x.op == "get_attr":
+        t = _attr(gm, x.target)
+        if (isinstance(t, torch.Tensor) and not isinstance(t, torch._subclasses.FakeTensor)
+                and t.numel() == 1 and t.dtype.is_floating_point):
+            return float(t.item())
+        return None
+    if x.op != "call_function":
+        return None
+    v = tensor_val(x)
+    if v is None or v.dtype == torch.bool or not statically_known_true(v.numel() == 1):
+        return None
+    if x.target is aten.lift_fresh_copy.default:
+        return constant(x.args[0], gm)
+    if x.target is aten.scalar_tensor.default and is_scalar(x.args[0]):
+        return x.args[0]
+    if x.target is aten.full.default and len(x.args) == 2 and is_scalar(x.args[1]):
+        return x.args[1]
+    return None
+
+
+def _static(args) -> bool:
+    """Only ints, bools, None and dtypes: the same wherever the graph is the same."""
+    return all(isinstance(a, (int, bool, torch.dtype)) or a is None for a in tree_leaves(args))
+
+
+def _scaling(node: Node, gm) -> tuple[Node, float] | None:
+    """(the tensor, the factor) when ``node`` scales one tensor by a constant without
+    broadcasting it larger or changing its dtype."""
+    if node.op != "call_function" or node.target not in SCALINGS:
+        return None
+    if node.target is aten.neg.default:
+        if len(node.args) != 1 or node.kwargs or not isinstance(node.args[0], Node):
+            return None
+        return node.args[0], -1
+    if len(node.args) != 2 or node.kwargs:
+        return None
+    x, c = node.args
+    if node.target is aten.mul.Tensor and (not isinstance(x, Node) or (
+            constant(x, gm) is not None and constant(c, gm) is None)):
+        x, c = c, x                      # 2 * x
+    k = constant(c, gm)
+    if not isinstance(x, Node) or k is None or x is c:
+        return None
+    a, out = tensor_val(x), tensor_val(node)
+    if a is None or out is None or a.dtype != out.dtype or not same_shape(a.shape, out.shape):
+        return None
+    if node.target is aten.div.Tensor:
+        return (x, 1 / k) if k != 0 else None
+    return x, k
+
+
+def _map(node: Node, src: Node) -> bool:
+    """Is ``node`` one of ``MAPS`` applied to ``src``, in its dtype, with int arguments?"""
+    if node.op != "call_function" or node.target not in MAPS or not node.args:
+        return False
+    a, out = tensor_val(src), tensor_val(node)
+    return (node.args[0] is src and _static((node.args[1:], node.kwargs)) and a is not None
+            and out is not None and a.dtype == out.dtype)
+
+
+def _linear_step(node: Node, src: Node, gm) -> bool:
+    """Is ``node`` a linear map of ``src`` alone, the same on every rank whose graph is?"""
+    if layout_source(node) is src or _map(node, src):
+        return True
+    s = _scaling(node, gm)
+    return s is not None and s[0] is src
+
+
+@dataclass(frozen=True, slots=True)
+class Member:
+    """An all_reduce and its linear chain: the ops after its wait, each a linear map of the
+    one before and its only user (layout ops, ``MAPS``, scalings), ending where a tree of
+    adds reads it."""
+
+    block: CommBlock
+    ops: tuple[Node, ...]
+
+    @property
+    def end(self) -> Node:
+        return self.ops[-1] if self.ops else self.block.wait
+
+    @property
+    def shrinks(self) -> bool:
+        """Does the chain end with fewer elements than the all_reduce reduces?"""
+        return hinted_numel(tensor_val(self.end).shape) < hinted_numel(self.block.shape)
+
+    def keeps_numel(self) -> bool:
+        return statically_known_true(numel(tensor_val(self.end).shape) == self.block.numel)
+
+    def maps(self) -> list[Node]:
+        """The ops of the chain that are not layout-only: they enter the origin."""
+        return [op for op in self.ops if layout_source(op) is None]
+
+
+def linear_chain(block: CommBlock, order: dict[Node, int], gm) -> Member:
+    """``block``'s :class:`Member`: its layout chain (``passes.layout``), then as long as
+    each next op is a linear step of the one before, its only user, and reads nothing the
+    graph computes after the collective; scalings at the end are left to the tree that
+    reads them (as its coefficients)."""
+    ops = list(layout_chain(block.wait, order).ops)
+    issue = order[block.collective]
+    node = ops[-1] if ops else block.wait
+    while len(node.users) == 1:
+        (user,) = node.users
+        others = [n for n in user.all_input_nodes if n is not node]
+        if not _linear_step(user, node, gm) or any(order.get(n, issue) >= issue
+                                                  for n in others):
+            break
+        ops.append(user)
+        node = user
+    while ops and layout_source(ops[-1]) is None and ops[-1].target in SCALINGS:
+        ops.pop()
+    return Member(block, tuple(ops))
+
+
+def _stack_terms(node: Node) -> tuple[list[Node], float, Node] | None:
+    """(the stacked tensors, their coefficient, the stack) when ``node`` is a sum or mean over
+    exactly the dimension a ``stack`` (read by nothing else) added."""
+    if node.target not in STACK_REDUCTIONS or len(node.args) != 2:
+        return None
+    st, dims = node.args
+    if set(node.kwargs) - {"keepdim", "dtype"} or node.kwargs.get("keepdim", False) or (
+            node.kwargs.get("dtype") not in (None, _dtype(node))):
+        return None
+    if not (isinstance(st, Node) and st.op == "call_function"
+            and st.target is aten.stack.default and len(st.users) == 1
+            and isinstance(dims, (list, tuple)) and len(dims) == 1
+            and isinstance(dims[0], int)):
+        return None
+    ts = st.args[0]
+    k = st.args[1] if len(st.args) > 1 else st.kwargs.get("dim", 0)
+    ndim = len(tensor_val(st).shape)
+    if not isinstance(k, int) or k % ndim != dims[0] % ndim or not all(
+            isinstance(t, Node) and _dtype(t) == _dtype(node) for t in ts):
+        return None
+    c = 1 if STACK_REDUCTIONS[node.target] == 1 else 1 / len(ts)
+    return list(ts), c, st
+
+
+def _children(node: Node, gm=None) -> tuple[list[tuple[Node, float]], list[Node]] | None:
+    """(the terms ``node`` adds up, with their coefficients; other nodes it reads that go
+    with it: a stack), or None if it is not a linear node of a tree."""
+    if node.op != "call_function":
+        return None
+    if node.target in STACK_REDUCTIONS:
+        st = _stack_terms(node)
+        return ([(t, st[1]) for t in st[0]], [st[2]]) if st is not None else None
+    if node.target is aten.copy.default:  # a functional copy back (an in-place op's)
+        if len(node.args) != 2 or node.kwargs:
+            return None
+        dst, src = node.args
+        a, b = tensor_val(dst), tensor_val(src)
+        if (isinstance(dst, Node) and isinstance(src, Node) and a is not None and b is not None
+                and a.dtype == b.dtype and same_shape(a.shape, b.shape) and dst is not src):
+            return [(src, 1)], []
+        return None
+    s = _scaling(node, gm)
+    if s is not None:
+        return [s], []
+    if node.target not in (aten.add.Tensor, aten.sub.Tensor) or len(node.args) != 2:
         return None
     a, b = node.args
     alpha = node.kwargs.get("alpha", 1)
     if set(node.kwargs) - {"alpha"} or not is_scalar(alpha):
         return None
-    if node.target is aten.add.Tensor and isinstance(a, Node) and isinstance(b, Node):
-        return [(a, 1), (b, alpha)]
-    if node.target is aten.sub.Tensor and isinstance(a, Node) and isinstance(b, Node):
-        return [(a, 1), (b, -alpha)]
-    if node.target is aten.mul.Tensor and isinstance(a, Node) and is_scalar(b):
-        return [(a, b)]
-    if node.target is aten.mul.Tensor and is_scalar(a) and isinstance(b, Node):
-        return [(b, a)]
-    if node.target is aten.div.Tensor and isinstance(a, Node) and is_scalar(b) and b != 0:
-        return [(a, 1 / b)]
+    if isinstance(a, Node) and isinstance(b, Node):
+        return [(a, 1), (b, alpha if node.target is aten.add.Tensor else -alpha)], []
     return None
 
 
-def expand(root: Node) -> tuple[list[Node], dict[Node, float]]:
+def expand(root: Node, members=(), gm=None) -> tuple[list[Node], dict[Node, float]]:
     """(internal nodes, leaf -> coefficient): ``root`` as a linear combination of leaves.
 
     A linear node is expanded into its operands when it is the root or has exactly one user
-    (its parent in the tree) and the root's dtype, so erasing the tree loses nothing.
+    (its parent in the tree) and the root's dtype, so erasing the tree loses nothing; an
+    all_reduce's chain end (``members``) is a leaf. Internal nodes come root first, each
+    after its only user.
     """
-    internal: list[Node] = []
+    internal: dict[Node, None] = {}
     leaves: dict[Node, float] = {}
     dtype = _dtype(root)
 
     def visit(node: Node, coeff: float, is_root: bool) -> None:
-        terms = _children(node)
+        terms = None if (node in members and not is_root) else _children(node, gm)
         single = is_root or (len(node.users) == 1 and _dtype(node) == dtype)
         if terms is None or not single:
             leaves[node] = leaves.get(node, 0) + coeff
             return
-        internal.append(node)
-        for child, c in terms:
+        internal[node] = None
+        internal.update(dict.fromkeys(terms[1]))
+        for child, c in terms[0]:
             visit(child, coeff * c, False)
 
     visit(root, 1, True)
-    return internal, leaves
+    return list(internal), leaves
 
 
-def _is_root(node: Node) -> bool:
+def _is_root(node: Node, gm=None) -> bool:
     """A linear node that no other linear node of the same dtype absorbs as its only user."""
-    if _children(node) is None:
+    if _children(node, gm) is None:
         return False
     if len(node.users) != 1:
         return True
     (user,) = node.users
-    return _children(user) is None or _dtype(user) != _dtype(node)
+    return _children(user, gm) is None or _dtype(user) != _dtype(node)
 
 
-Member = tuple[CommBlock, LayoutChain]
-"""An all_reduce a tree reads, and the layout-only ops between its wait and the tree."""
-
-
-def _reducible(block: CommBlock, chain: LayoutChain, tree_dtype) -> bool:
-    return (block.impl == "nccl" and block.key.op in LINEAR_REDUCTIONS and not block.inplace
-            and len(chain.end.users) == 1 and block.key.dtype == tree_dtype)
+def _reducible(m: Member, tree_dtype, keep, *, alone: bool = False) -> bool:
+    """May ``m`` be moved past its chain (``alone``: its end is replaced, whatever reads it),
+    or into a sum (its end read by the tree alone)? ``keep`` (``tag.pinned``): only through a
+    chain that keeps its element count."""
+    b = m.block
+    return (b.impl == "nccl" and b.key.op in LINEAR_REDUCTIONS and not b.inplace
+            and (alone or len(m.end.users) == 1) and b.key.dtype == tree_dtype
+            and (b not in keep or m.keeps_numel()))
 
 
 def _groups(members: list[Member]) -> list[list[Member]]:
@@ -123,9 +334,9 @@ def _groups(members: list[Member]) -> list[list[Member]]:
     also make the sum larger than any member)."""
     groups: list[list[Member]] = []
     for m in members:
-        shape = tensor_val(m[1].end).shape
+        shape = tensor_val(m.end).shape
         for g in groups:
-            if g[0][0].key == m[0].key and same_shape(tensor_val(g[0][1].end).shape, shape):
+            if g[0].block.key == m.block.key and same_shape(tensor_val(g[0].end).shape, shape):
                 g.append(m)
                 break
         else:
@@ -148,14 +359,124 @@ def combination(emit: Emitter, terms: list[tuple[Node, float]]) -> Node:
     return total
 
 
+def replay(emit: Emitter, x: Node, m: Member, gm=None) -> Node:
+    """``m``'s chain applied to ``x`` (shaped like the wait) instead: what the chain makes of
+    the all_reduce's result, made of its input. Layout ops that change nothing are left out,
+    views become reshapes (``x`` may not be viewable), a scaling keeps its factor."""
+    for op in m.ops:
+        before = tensor_val(x)
+        if layout_source(op) is not None:
+            if op.target in SAME_VALUE or same_shape(before.shape, tensor_val(op).shape):
+                continue
+            target = aten.reshape.default if op.target in VIEWS else op.target
+            x = emit(target, x, *op.args[1:], **op.kwargs)
+        elif op.target in SCALINGS:
+            src, _ = _scaling(op, gm)
+            x = emit(op.target, *[x if a is src else a for a in op.args])
+        else:
+            x = emit(op.target, x, *op.args[1:], **op.kwargs)
+    return x
+
+
+def _shape(s) -> list:
+    return [int(d) if isinstance(d, int) else str(d) for d in s]
+
+
+def described(m: Member, coeff: float, gm=None) -> str:
+    """What ``m`` puts into a sum, in the program's collectives: "#2", "0.5*#2",
+    "sum[4, 6, 64]([0])(#2)" (each map with its input's shape and its arguments)."""
+    text = origin(m.block.collective)
+    for op in m.maps():
+        if op.target in SCALINGS:
+            text = f"{_scaling(op, gm)[1]!r}*{text}"
+        else:
+            args = ", ".join(map(str, (*op.args[1:], *op.kwargs.values())))
+            text = f"{op_name(op)}{_shape(tensor_val(op.args[0]).shape)}({args})({text})"
+    return text if coeff == 1 else f"{coeff!r}*{text}"
+
+
 def _chosen(decider: Decider, info_of: dict, group: list[Member], result: PassResult
             ) -> list[Member]:
-    """The members of one group that the cost model merges (one member's bytes)."""
-    chosen, record = decider.choose([info_of[b] for b, _ in group],
-                                    lambda sub: max(m.block.nbytes for m in sub))
+    """The members of one group that the cost model merges (the bytes of the value read)."""
+    nbytes = hinted_nbytes(tensor_val(group[0].end))
+    chosen, record = decider.choose([info_of[m.block] for m in group], lambda sub: nbytes)
     result.decisions.append(record)
     blocks = {m.block for m in chosen}
-    return [m for m in group if m[0] in blocks]
+    return [m for m in group if m.block in blocks]
+
+
+def _dense(v: torch.Tensor) -> bool:
+    """Laid out without overlap or expanded dims: a copy into ``empty_strided`` gives it."""
+    return restorable(v.shape, v.stride()) and not any(
+        statically_known_true(s == 0) and not statically_known_true(z == 1)
+        for z, s in zip(v.shape, v.stride()))
+
+
+@dataclass(slots=True)
+class _Rewrite:
+    gm: GraphModule
+    cfg: Config
+    result: PassResult
+    priority: dict
+    issue_keys: dict
+    info_of: dict
+    mode: object
+    erased: set = field(default_factory=set)
+
+    def apply(self, root: Node, internal: list[Node], leaves: dict[Node, float],
+              groups: list[list[Member]]) -> None:
+        graph = self.gm.graph
+        emit = Emitter(graph, before=root, mode=self.mode)
+        reduced = []
+        for group in groups:
+            start = len(emit.new)
+            # each partial through its own chain: they line up as the chains' values do;
+            # inputs as they are now (``block.input`` is the analysis's: an earlier root's
+            # sum, replaced in this loop, may be one: a chain of sums of sums)
+            partial = combination(emit, [(replay(emit, m.block.collective.args[0], m, self.gm),
+                                          leaves.get(m.end, 1)) for m in group])
+            if not statically_known_true(tensor_val(partial).is_contiguous()):
+                partial = emit(aten.clone.default, partial,
+                               memory_format=torch.contiguous_format)
+            blocks = [m.block for m in group]
+            key = blocks[0].key
+            fused = emit(ALL_REDUCE, partial, key.op, blocks[0].group)
+            fused.meta[REPLACES] = replaced(b.collective for b in blocks)
+            # the coefficients and maps too: a scale or a permute one rank alone applies
+            # must not be summed across
+            fused.meta[ORIGIN] = "sum({})".format(",".join(
+                described(m, leaves.get(m.end, 1), self.gm) for m in group))
+            # issued as soon as its last partial is ready; waited for where the root was
+            place(self.priority, emit.new[start:],
+                  after=max(self.priority[b.collective.args[0]] for b in blocks))
+            reduced.append(emit(WAIT, fused))
+            self.issue_keys[fused] = float(min(b.ordinal for b in blocks))
+            self.result.buckets.append(Bucket(
+                members=[b.collective.name for b in blocks],
+                level=max(self.info_of[b].level for b in blocks),
+                key=str(key), nbytes=hinted_nbytes(fused.meta["val"]),
+                collective=fused.name,
+                kind="sum"))
+        merged = {m.end for group in groups for m in group}
+        rest = [(leaf, c) for leaf, c in leaves.items() if leaf not in merged and c != 0]
+        value = combination(emit, rest + [(w, 1) for w in reduced])
+        want, got = tensor_val(root), tensor_val(value)
+        if not same_shape(tuple(want.stride()), tuple(got.stride())):
+            # the root's layout back (a sum of permuted terms reads back contiguous)
+            like = emit(aten.empty_strided.default, list(want.shape), list(want.stride()),
+                        dtype=want.dtype, device=want.device)
+            value = emit(aten.copy.default, like, value)
+        place(self.priority, [n for n in emit.new if n not in self.priority],
+              after=self.priority[root] - 1)
+        root.replace_all_uses_with(value)
+        for n in internal:  # root first: each is erased after its only user
+            graph.erase_node(n)
+        for group in groups:
+            for m in group:
+                for n in (*reversed(m.ops), m.block.wait, m.block.collective):
+                    graph.erase_node(n)
+        self.erased.update(internal)
+        self.erased.update(n for g in groups for m in g for n in m.ops)
 
 
 def linearity_pass(gm: GraphModule, *, cfg: Config) -> PassResult:
@@ -163,65 +484,37 @@ def linearity_pass(gm: GraphModule, *, cfg: Config) -> PassResult:
     if not cfg.reassociate:
         return result
     analysis = analyze(gm)
-    # each all_reduce as the node a tree of adds would read it through: its wait's chain
+    keep = pinned(analysis.scan, cfg)
+    # each all_reduce as the node a tree of adds reads it through: its chain's end
     members = {}
     for b in analysis.scan.blocks:
-        chain = layout_chain(b.wait, analysis.order)
-        members[chain.end] = (b, chain)
+        m = linear_chain(b, analysis.order, gm)
+        members[m.end] = m
     info_of = {i.block: i for i in analysis.infos}
     decider = Decider.of(analysis, cfg)
-    graph = gm.graph
-    mode = fake_mode_of(analysis.order)
-    priority = {n: float(i) for n, i in analysis.order.items()}
-    issue_keys = {n: float(i) for i, n in enumerate(analysis.scan.sequence)}
-    for root in [n for n in graph.nodes if _is_root(n)]:
-        internal, leaves = expand(root)
+    rewrite = _Rewrite(gm, cfg, result, {n: float(i) for n, i in analysis.order.items()},
+                       {n: float(i) for i, n in enumerate(analysis.scan.sequence)}, info_of,
+                       fake_mode_of(analysis.order))
+    done: set[Node] = set()  # chain ends rewritten
+    for root in [n for n in gm.graph.nodes if _is_root(n, gm)]:
+        if root in rewrite.erased or tensor_val(root) is None or not _dense(tensor_val(root)):
+            continue
+        internal, leaves = expand(root, members, gm)
         found = [members[leaf] for leaf, coeff in leaves.items() if leaf in members
-                 and coeff != 0 and _reducible(*members[leaf], _dtype(root))]
+                 and coeff != 0 and _reducible(members[leaf], _dtype(root), keep)]
         groups = [_chosen(decider, info_of, g, result) for g in _groups(found) if len(g) > 1]
         groups = [g for g in groups if len(g) > 1]
         if not groups:
             continue
-        emit = Emitter(graph, before=root, mode=mode)
-        reduced = []
-        for group in groups:
-            start = len(emit.new)
-            # each partial through its own layout ops: they line up as the waits' values do
-            # inputs as they are now (``b.input`` is the analysis's: an earlier root's sum,
-            # replaced in this loop, may be one: a chain of sums of sums)
-            partial = combination(emit, [(replay(emit, b.collective.args[0], chain),
-                                          leaves[chain.end]) for b, chain in group])
-            blocks = [b for b, _ in group]
-            key = blocks[0].key
-            fused = emit(ALL_REDUCE, partial, key.op, blocks[0].group)
-            fused.meta[REPLACES] = replaced(b.collective for b in blocks)
-            # the coefficients too: a scale one rank alone applies must not be summed across
-            fused.meta[ORIGIN] = "sum({})".format(",".join(
-                origin(b.collective) if leaves[chain.end] == 1 else
-                f"{leaves[chain.end]!r}*{origin(b.collective)}" for b, chain in group))
-            # issued as soon as its last partial is ready; waited for where the root was
-            place(priority, emit.new[start:],
-                  after=max(priority[b.collective.args[0]] for b in blocks))
-            reduced.append(emit(WAIT, fused))
-            issue_keys[fused] = float(min(b.ordinal for b in blocks))
-            result.buckets.append(Bucket(
-                members=[b.collective.name for b in blocks],
-                level=max(info_of[b].level for b in blocks),
-                key=str(key), nbytes=hinted_nbytes(fused.meta["val"]),
-                collective=fused.name,
-                kind="sum"))
-        merged = {chain.end for group in groups for _, chain in group}
-        rest = [(leaf, c) for leaf, c in leaves.items() if leaf not in merged and c != 0]
-        value = combination(emit, rest + [(w, 1) for w in reduced])
-        place(priority, [n for n in emit.new if n not in priority], after=priority[root] - 1)
-        root.replace_all_uses_with(value)
-        for n in internal:  # root first: each is erased after its only user
-            graph.erase_node(n)
-        for group in groups:
-            for b, chain in group:
-                for n in (*reversed(chain.ops), b.wait, b.collective):
-                    graph.erase_node(n)
+        rewrite.apply(root, internal, leaves, groups)
+        done.update(m.end for g in groups for m in g)
+    # what is read through a sum over dimensions alone: the all_reduce of the smaller value
+    for end, m in members.items():
+        if (end in done or not m.shrinks or not _dense(tensor_val(end))
+                or not _reducible(m, m.block.key.dtype, keep, alone=True)):
+            continue
+        rewrite.apply(end, [], {end: 1}, [[m]])
     if result.buckets:
-        reorder(graph, priority, set(analysis.barriers), issue_keys)
+        reorder(gm.graph, rewrite.priority, set(analysis.barriers), rewrite.issue_keys)
         result.changed = True
     return result
