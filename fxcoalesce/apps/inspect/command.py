@@ -233,7 +233,8 @@ def run_inspect(args, say: Callable[[str], None]) -> int:
         (directory / "after.txt").write_text(graph_text(t.after, r.modules))
         print(f"wrote {directory}/report.json, before.txt, after.txt"
               + (" (the graphs of the traced layers)" if composed else ""))
-    draw_model(args, t, title)
+    draw_model(args, t, title,
+               bound=composed.traced.all_reduce["lower_bound"] if composed else None)
     return 0
 
 
@@ -254,8 +255,9 @@ def print_predictions(rows, tp: int, out) -> None:
         print(f"  * {far}", file=out)
 
 
-def draw_model(args, t: Traced, title: str) -> None:
-    """The pictures ``--format dot|svg|png`` and ``--timeline`` ask for."""
+def draw_model(args, t: Traced, title: str, bound: int | None = None) -> None:
+    """The pictures ``--format dot|svg|png`` and ``--timeline`` ask for, of ``t``'s graphs
+    (``bound``: theirs, where the report is composed from traced layers)."""
     from fxcoalesce.viz.dag import find_collective_dag
     from fxcoalesce.viz.picture import collective_picture, to_dot
 
@@ -263,7 +265,7 @@ def draw_model(args, t: Traced, title: str) -> None:
         before = find_collective_dag(t.before)
         panels = collective_picture(before, find_collective_dag(t.after, origins=before),
                                     collapse=args.collapse,
-                                    bound=t.report.all_reduce["lower_bound"])
+                                    bound=bound or t.report.all_reduce["lower_bound"])
         dot = to_dot(panels, title)
         if not args.out:
             print(dot, end="")

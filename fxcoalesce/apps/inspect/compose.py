@@ -198,6 +198,9 @@ class Composed:
     predict: Callable
     """``predict(analysis, cost, world)`` for the traced before/after graphs, composed."""
     plan: LayerPlan
+    traced: object = None
+    """The traced layers' own report (what ``before.txt``, ``after.txt`` and the pictures
+    show)."""
 
 
 class Segments:
@@ -369,12 +372,15 @@ def compose(before: GraphModule, after: GraphModule, report, plan: LayerPlan, *,
     if not any(segs.of(n) is not None for n in before.graph.nodes):
         return "no node of the traced step is in its list of layers"
     before_n, after_n = count(ab), count(aa)
-    buckets = []
-    for b in report.buckets:
-        seg = next((s for s in (segs.of_path(p) for p in b.get("modules", []))
-                    if s is not None), None)
-        for copy in range(segs.weight(seg)):
-            buckets.append(_renamed(b, plan, seg, copy))
+    def every_copy(records: list[dict]) -> list[dict]:
+        """Each record of a traced layer once per layer it stands for, named as there."""
+        out = []
+        for r in records:
+            seg = next((s for s in (segs.of_path(p) for p in r.get("modules", []))
+                        if s is not None), None)
+            out += [_renamed(r, plan, seg, copy) for copy in range(segs.weight(seg))]
+        return out
+
     left_alone = _weighted([n for n, _ in bound_of.scan.skipped], segs)
     all_reduce = {"before": before_n, "after": after_n, "lower_bound": bound,
                   "left_alone": left_alone, "bytes_before": nbytes(ab),
@@ -385,13 +391,16 @@ def compose(before: GraphModule, after: GraphModule, report, plan: LayerPlan, *,
     above = after_n - left_alone - bound
     text = re.sub(r"^\d+ launch\(es\) above the bound", f"{above} launch(es) above the bound",
                   text)
+    text = re.sub(r"\d+ all_reduce\(s\) left alone", f"{left_alone} all_reduce(s) left alone",
+                  text)
     composed = replace(
-        report, all_reduce=all_reduce, chains=chains, buckets=buckets,
+        report, all_reduce=all_reduce, chains=chains, buckets=every_copy(report.buckets),
+        decisions=every_copy(report.decisions),
         nodes={"before": _node_count(before.graph, segs),
                "after": _node_count(after.graph, segs)},
         other_collectives=_other(ab.scan, segs),
         predicted_comm_us={**report.predicted_comm_us,
                            "before": predict(ab, cost, world),
                            "after": predict(aa, cost, world)},
-        verdict=text, decisions=[], windows=[])
-    return Composed(composed, predict, plan)
+        verdict=text, windows=[])
+    return Composed(composed, predict, plan, report)
