@@ -9,6 +9,11 @@
 #   bash benchmarks/gpu_spec.sh tp1            # ~4 min: one H200, CUDA graphs
 #   bash benchmarks/gpu_spec.sh tp2            # ~5 min: two H200s, NCCL, through fxcoalesce
 #
+# tp1/tp2 size the tree as `fxcoalesce demo` does (spec_bench.py --tree auto: each candidate
+# step timed here as a CUDA-graph replay, the head's acceptance, greedy where no tree is
+# faster; apps/spec/treechoice.py); TREE=8,6,64 (or greedy, spec, measure) overrides it.
+# The decision is cached under $FXCOALESCE_CACHE (default ~/.cache/fxcoalesce)/spec-tree.
+#
 # prep   installs the checkout and every wheel in carry/ (gguf) into $SITE (/tmp/site), and
 #        copies carry/*.gguf.part-* to /tmp/fxc-gguf/; once the parts add up to the GGUF's
 #        98362432 bytes it joins them (in name order) and checks the sha256. A call carries
@@ -30,7 +35,7 @@ R=$PWD
 mkdir -p "$OUT"
 DEVICE=${DEVICE:-cuda} MINUTES=${MINUTES:-5} PROMPTS=${PROMPTS:-32} TOKENS=${TOKENS:-256}
 TRAIN_ARGS=${TRAIN_ARGS:---gen-batch 512} BENCH_ARGS=${BENCH_ARGS:-}
-TRAIN_TIMEOUT=${TRAIN_TIMEOUT:-420} BENCH_TIMEOUT=${BENCH_TIMEOUT:-560}
+TRAIN_TIMEOUT=${TRAIN_TIMEOUT:-420} BENCH_TIMEOUT=${BENCH_TIMEOUT:-560} TREE=${TREE:-auto}
 CARRY=${CARRY:-$R/carry} SITE=${SITE:-/tmp/site} GGUF_DIR=${GGUF_DIR:-/tmp/fxc-gguf}
 GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
 if [ -z "${HEAD:-}" ]; then
@@ -101,7 +106,7 @@ stage() {
         install && (cd /tmp && check) || return 1
         (cd /tmp && run "$BENCH_TIMEOUT" python3 "$R/benchmarks/spec_bench.py" --draft "$HEAD" \
             --tp "${stage#tp}" --device "$DEVICE" --prompts "$PROMPTS" --tokens "$TOKENS" \
-            $BENCH_ARGS --out "$OUT/spec_$stage.json") ;;
+            --tree "$TREE" $BENCH_ARGS --out "$OUT/spec_$stage.json") ;;
     *) echo "unknown stage $stage (prep, train, tp1, tp2)"; return 2 ;;
     esac
 }

@@ -4,6 +4,10 @@ the fxcoalesce backend with the same settings (``--mode reduce-overhead``: CUDA 
 
     python3 benchmarks/spec_bench.py --draft HEAD --tp 1 --device cuda --out spec_tp1.json
 
+The tree is sized as ``fxcoalesce demo`` sizes it (``--tree auto``: this machine's step
+times, the head's acceptance; greedy where no tree is faster; apps/spec/treechoice.py), or
+forced (``--tree 8,6,64``, ``--tree greedy``, ``--tree spec``).
+
 The GGUF comes from ``FXCOALESCE_SMOLLM2_GGUF`` or the cache (fetched once). The JSON is
 rewritten after every prompt, so a run cut short still leaves its numbers.
 """
@@ -29,15 +33,19 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--prompts", type=int, default=32, help="held-out prompts (default 32)")
     p.add_argument("--tokens", type=int, default=256, help="most new tokens per prompt")
-    p.add_argument("--top-k", type=int, default=8)
-    p.add_argument("--depth", type=int, default=6)
-    p.add_argument("--total-tokens", type=int, default=64)
+    p.add_argument("--tree", default="auto", metavar="auto|measure|spec|greedy|K,D,N",
+                   help="the tree: sized from measurement (auto: cached per machine, model, "
+                        "head and TP degree; measure: anew; spec: the fastest tree even where "
+                        "greedy is faster), greedy, or top-k,depth,total-tokens")
     p.add_argument("--codegen", default="inductor", choices=["inductor", "eager"])
     p.add_argument("--mode", default="reduce-overhead",
                    help="torch.compile mode of both steps ('default': no CUDA graphs)")
     p.add_argument("--warmup-tokens", type=int, default=64)
     p.add_argument("--out", required=True, help="JSON file (rewritten after every prompt)")
     args = p.parse_args(argv)
+    from fxcoalesce.apps.spec.treechoice import parse_tree
+
+    tree = parse_tree(args.tree)
 
     t0 = time.perf_counter()
     gguf = smollm2.gguf_path()
@@ -45,13 +53,11 @@ def main(argv=None) -> int:
     texts = held_out_prompts(args.prompts)
     opt = SpecOptions(gguf=str(gguf), draft=args.draft,
                       prompts=tuple(tuple(tok.encode_chat(t)) for t in texts),
-                      tokens=args.tokens, device=args.device, top_k=args.top_k,
-                      depth=args.depth, total_tokens=args.total_tokens, codegen=args.codegen,
+                      tokens=args.tokens, device=args.device, tree=tree, codegen=args.codegen,
                       mode=None if args.mode == "default" else args.mode,
                       warmup_tokens=args.warmup_tokens, progress=args.out)
     print(f"spec_bench: {len(texts)} held-out prompts, TP {args.tp} on {args.device}, tree "
-          f"top-k {args.top_k} depth {args.depth} total {args.total_tokens}, {args.codegen} "
-          f"mode {args.mode}", flush=True)
+          f"{args.tree}, {args.codegen} mode {args.mode}", flush=True)
     if args.tp == 1:
         ranks = [spec_worker(0, 1, opt)]
     else:
@@ -62,7 +68,8 @@ def main(argv=None) -> int:
     record["samples"] = [{"prompt": t, "response": tok.decode(r["tokens"])}
                          for t, r in zip(texts[:3], ranks[0]["results"])]
     Path(args.out).write_text(json.dumps(record, indent=1))
-    print(json.dumps({k: record[k] for k in ("device", "tp", "mean_accepted", "tokens_per_s",
+    print(json.dumps({k: record[k] for k in ("device", "tp", "tree", "mean_accepted",
+                                             "tokens_per_s",
                                              "speedup_vs_target_greedy", "same_tokens_as_greedy",
                                              "prompts", "graphs_compiled", "wall_s")}))
     return 0

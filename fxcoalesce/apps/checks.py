@@ -390,6 +390,13 @@ def _weights() -> None:
 
 def check_demo(args) -> None:
     _at_least(1, tp=args.tp)
+    if getattr(args, "tree", None) is not None:
+        from fxcoalesce.apps.spec.treechoice import parse_tree
+
+        if args.model not in (None, PRETRAINED):
+            raise ValueError(f"--tree: for the SmolLM2 part only ({args.model} takes its "
+                             "demo's fixed tree)")
+        parse_tree(args.tree)  # ValueError naming what is wrong
     if args.tokens is not None:
         _at_least(2, "the first new token comes from the prefill, the others from verify steps",
                   tokens=args.tokens)

@@ -357,6 +357,13 @@ def parser() -> argparse.ArgumentParser:
                                     f"(default: {DEFAULT_PROMPT!r})")
     d.add_argument("--draft", help="smollm2-135m: draft head directory from train-draft "
                                    "(default: the repository's heads/smollm2-135m)")
+    d.add_argument("--tree", metavar="auto|measure|spec|greedy|K,D,N",
+                   help="smollm2-135m's speculative tree: auto sizes it from the step times "
+                        "measured on this machine and the head's acceptance (the decision "
+                        "kept per machine, model, head and TP degree), greedy where no tree "
+                        "is faster; measure: anew; spec: the fastest tree even where greedy "
+                        "is faster; greedy; or K,D,N: top-k, depth, total tokens (default: "
+                        "auto in both parts, the fixed tree 8,6,64 with --model)")
     d.set_defaults(fn=cmd_demo, check=checks.check_demo)
 
     t = sub.add_parser("train-draft", help="train an EAGLE-3 draft head for a pretrained target "

@@ -12,6 +12,10 @@ in a few minutes.
    greedy decoding: the text, the accepted length, whether the tokens are greedy's, and the
    report's verdict on the step's all_reduces (a sequential model: at its bound). The
    greedy baseline runs uncompiled on a CPU (as fast there, within noise; one compile fewer).
+   The tree is sized from this machine's measured step times and the head's acceptance
+   (``spec.treechoice``, ``--tree``); where no tree beats greedy (2 CPU cores), it says so
+   with the measured reason and decodes greedily, the greedy step compiled through
+   fxcoalesce: never slower than greedy.
 
 Both parts run in the same rank processes (``tour_worker``): one start, and the compilers'
 one-time costs paid once. Then how to ask the same of one's own model (``fxcoalesce
@@ -179,7 +183,7 @@ def inspect_lines(found: str, seconds: float) -> list[str]:
 def run_tour(args) -> int:
     from fxcoalesce.apps.bench.calibrate import NCCL_MODES
     from fxcoalesce.apps.launch import spawn
-    from fxcoalesce.apps.spec.demo import prepare_smollm2, smollm2_lines
+    from fxcoalesce.apps.spec.demo import prepare_smollm2, smollm2_lines, tree_arg
     from fxcoalesce.apps.spec.smollm2 import NAME
 
     say = None if getattr(args, "quiet", False) else (
@@ -194,7 +198,7 @@ def run_tour(args) -> int:
     job = prepare_smollm2(prompt=prompt, tokens=args.tokens or TOUR_TOKENS,
                           device=args.device, codegen=args.codegen, draft=args.draft,
                           quiet=say is None, warmup_tokens=16 if cuda else WARMUP_TOKENS_CPU,
-                          greedy_compiled=cuda)
+                          greedy_compiled=cuda, tree=tree_arg(args) or "auto")
     bench_opt = merge_options(args, say)
     be = bench_opt.backend
     if say:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from fxcoalesce.apps.spec import smollm2
@@ -51,7 +51,8 @@ class SmolRun:
 
 def decode_smollm2(*, prompt: str, tokens: int, tp: int, device: str, backend: str | None,
                    codegen: str | None, draft: str | None, quiet: bool = False,
-                   warmup_tokens: int = 16, greedy_compiled: bool = True) -> SmolRun:
+                   warmup_tokens: int = 16, greedy_compiled: bool = True,
+                   tree=None) -> SmolRun:
     """Answer ``prompt`` with SmolLM2-135M and the trained EAGLE-3 head (``draft``, else the
     repository's), speculatively and greedily, on ``tp`` ranks (spawned when more than 1);
     the weights are fetched once and checked here, before any rank starts. ``quiet``: no
@@ -59,7 +60,7 @@ def decode_smollm2(*, prompt: str, tokens: int, tp: int, device: str, backend: s
     ``greedy_compiled`` False: the greedy baseline runs uncompiled (one compile fewer)."""
     job = prepare_smollm2(prompt=prompt, tokens=tokens, device=device, codegen=codegen,
                           draft=draft, quiet=quiet, warmup_tokens=warmup_tokens,
-                          greedy_compiled=greedy_compiled)
+                          greedy_compiled=greedy_compiled, tree=tree)
     be = backend or default_backend(device, tp)
     if not quiet:
         print(job.describe(tp) + (f"; starting {tp} {be} ranks ..." if tp > 1 else ""),
@@ -82,9 +83,16 @@ class SmolJob:
 
     def describe(self, tp: int) -> str:
         opt = self.options
+        if opt.tree is None:
+            tree = f"tree of {opt.total_tokens} (depth {opt.depth}, top-k {opt.top_k})"
+        elif isinstance(opt.tree, tuple):
+            k, d, n = opt.tree
+            tree = f"tree of {n} (depth {d}, top-k {k}; forced)"
+        else:
+            tree = {"greedy": "greedy (forced)", "spec": "the fastest tree measured here",
+                    }.get(opt.tree, "the tree sized from this machine's measured step times")
         return (f"speculative decoding: {smollm2.NAME}, TP={tp}, head {self.head}, up to "
-                f"{opt.tokens} new tokens, tree of {opt.total_tokens} (depth {opt.depth}, "
-                f"top-k {opt.top_k}), codegen {opt.codegen}"
+                f"{opt.tokens} new tokens, {tree}, codegen {opt.codegen}"
                 f"{', CUDA graphs' if opt.mode else ''}")
 
     def finish(self, ranks: list[dict]) -> SmolRun:
@@ -96,9 +104,11 @@ class SmolJob:
 
 def prepare_smollm2(*, prompt: str, tokens: int, device: str, codegen: str | None,
                     draft: str | None, quiet: bool = False, warmup_tokens: int = 16,
-                    greedy_compiled: bool = True) -> SmolJob:
+                    greedy_compiled: bool = True, tree=None) -> SmolJob:
     """Check the head and the prompt, fetch and check the weights (once), tokenize: what
-    ``spec_worker`` needs, or the ValueError / WeightsError that says what is wrong."""
+    ``spec_worker`` needs, or the ValueError / WeightsError that says what is wrong.
+    ``tree``: ``SpecOptions.tree`` ('auto', 'measure', 'spec', 'greedy', (k, d, n), or
+    None for the default tree)."""
     from fxcoalesce.models import llama
 
     target_args = llama.CONFIGS[smollm2.NAME]
@@ -111,7 +121,10 @@ def prepare_smollm2(*, prompt: str, tokens: int, device: str, codegen: str | Non
     opt = SpecOptions(gguf=str(gguf), draft=str(head), prompts=(tuple(ids),), tokens=tokens,
                       device=device, codegen=codegen or ("inductor" if cuda else "eager"),
                       mode="reduce-overhead" if cuda else None, warmup_tokens=warmup_tokens,
-                      greedy_compiled=greedy_compiled, quiet=quiet)
+                      greedy_compiled=greedy_compiled, quiet=quiet, tree=tree)
+    if isinstance(tree, tuple):
+        k, d, n = tree
+        opt = replace(opt, top_k=k, depth=d, total_tokens=n)
     need = len(ids) + tokens + opt.total_tokens
     if need > target_args.max_seq_len:
         raise ValueError(f"the prompt is {len(ids)} tokens (chat template included); with "
@@ -124,24 +137,39 @@ def smollm2_lines(run: SmolRun, tp: int) -> list[str]:
     """The figures of a run, one per line: all_reduces and the report's verdict, accepted
     length, tokens/s against greedy, whether the tokens are greedy's, the pass's own time."""
     s, r = run.summary, run.result
+    choice = s.get("tree_choice") or {}
+    greedy = bool(choice.get("greedy_chosen"))
     lines = []
-    a, verdict = s["all_reduce_per_call"].get("spec"), s["verdict"].get("spec")
+    if choice:
+        lines += [f"tree                             : {choice['label']} "
+                  f"({choice.get('source', 'measured')})",
+                  f"  because                        : {choice['reason']}"]
+    step = "decode" if greedy else "spec"
+    a, verdict = s["all_reduce_per_call"].get(step), s["verdict"].get(step)
     if a and tp > 1:
-        lines.append(f"all_reduce per speculative step  : {a['before']} -> {a['after']} "
+        lines.append(f"all_reduce per {'decode' if greedy else 'speculative'} step"
+                     f"{'       ' if greedy else '  '}: {a['before']} -> {a['after']} "
                      f"(lower bound {a['lower_bound']}); the report: {verdict}")
-    lines += [
-        f"new tokens                       : {r['spec_tokens']}"
-        f"{' (stopped at EOS)' if run.stopped else ''}",
-        f"mean accepted length             : {s['mean_accepted']:.2f} tokens per verify",
-        f"tokens per second                : {s['tokens_per_s']['speculative']:.1f} "
-        f"speculative, {s['tokens_per_s']['target_greedy']:.1f} target-only greedy"
-        f"{'' if run.options.greedy_compiled else ', uncompiled'} "
-        f"({s['speedup_vs_target_greedy']:.2f}x; prefill included, after compilation)",
-        f"tokens equal target greedy       : {r['same_tokens']}",
-        f"ranks agree                      : {s['ranks_agree']}"]
-    if cost := s["pass_ms"].get("spec"):
+    lines.append(f"new tokens                       : {r['spec_tokens']}"
+                 f"{' (stopped at EOS)' if run.stopped else ''}")
+    if greedy:
+        lines += [
+            f"tokens per second                : {s['tokens_per_s']['target_greedy']:.1f} "
+            "greedy, compiled through fxcoalesce (chosen: no tree is faster here; prefill "
+            "included, after compilation)",
+            "tokens equal target greedy       : True (greedy decoding itself)"]
+    else:
+        lines += [
+            f"mean accepted length             : {s['mean_accepted']:.2f} tokens per verify",
+            f"tokens per second                : {s['tokens_per_s']['speculative']:.1f} "
+            f"speculative, {s['tokens_per_s']['target_greedy']:.1f} target-only greedy"
+            f"{'' if run.options.greedy_compiled else ', uncompiled'} "
+            f"({s['speedup_vs_target_greedy']:.2f}x; prefill included, after compilation)",
+            f"tokens equal target greedy       : {r['same_tokens']}"]
+    lines.append(f"ranks agree                      : {s['ranks_agree']}")
+    if cost := s["pass_ms"].get(step):
         lines.append(f"fxcoalesce inside the compile    : {pass_cost_text(cost)} for the "
-                     "speculative step's graph")
+                     f"{'greedy decode' if greedy else 'speculative'} step's graph")
     return lines
 
 
@@ -156,7 +184,8 @@ def run_smollm2_demo(args) -> int:
     t0 = time.perf_counter()
     run = decode_smollm2(prompt=args.prompt, tokens=args.tokens or DEFAULT_TOKENS, tp=args.tp,
                          device=args.device, backend=args.backend, codegen=args.codegen,
-                         draft=args.draft, quiet=getattr(args, "quiet", False))
+                         draft=args.draft, quiet=getattr(args, "quiet", False),
+                         tree=tree_arg(args))
     print(f"\n{args.prompt}\n\n{run.text}\n")
     print(f"{smollm2.NAME}, TP={args.tp} ({run.summary['backend']}), {run.summary['device']}")
     for line in smollm2_lines(run, args.tp):
@@ -165,6 +194,14 @@ def run_smollm2_demo(args) -> int:
     if getattr(args, "out", None):
         print(f"wrote {write_demo_json(run, args)}")
     return 0
+
+
+def tree_arg(args):
+    """``--tree`` parsed (``treechoice.parse_tree``), None when not given."""
+    from fxcoalesce.apps.spec.treechoice import parse_tree
+
+    given = getattr(args, "tree", None)
+    return None if given is None else parse_tree(given)
 
 
 def write_demo_json(run: SmolRun, args) -> Path:
@@ -178,7 +215,7 @@ def write_demo_json(run: SmolRun, args) -> Path:
     data = {
         "model": smollm2.NAME, "tp": args.tp, "backend": s["backend"], "device": s["device"],
         "codegen": opt.codegen, "mode": opt.mode, "prompt": args.prompt, "head": opt.draft,
-        "tree": {"top_k": opt.top_k, "depth": opt.depth, "total_tokens": opt.total_tokens},
+        "tree": s.get("tree"), "tree_choice": s.get("tree_choice"),
         "all_reduce": {k: spec.get(k, 0) for k in ("before", "after", "lower_bound")},
         "verdict": s["verdict"].get("spec", ""), "pass_ms": s["pass_ms"].get("spec"),
         "new_tokens": r["spec_tokens"], "stopped_at_eos": run.stopped,

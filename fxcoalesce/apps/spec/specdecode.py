@@ -8,7 +8,9 @@ compiles two steps through the fxcoalesce backend with the same settings:
     decode  = compile(eagle3_static.decode_step)   target-only greedy, one token per call
     spec    = compile(eagle3_static.spec_step)     draft tree + verify + accept + KV commit
 
-``mode="reduce-overhead"`` makes each a CUDA graph on GPUs. A warm-up prompt compiles and
+With ``SpecOptions.tree`` set, the tree is first sized from measurement (``treechoice``:
+every rank times the candidate steps, rank 0 decides and broadcasts); where greedy is chosen
+only the compiled greedy step runs. ``mode="reduce-overhead"`` makes each a CUDA graph on GPUs. A warm-up prompt compiles and
 records them; every prompt is then decoded both ways, timed end to end (prefill included),
 and the two token sequences are compared. ``greedy_compiled=False`` (``fxcoalesce demo`` on
 a CPU) runs the greedy step uncompiled: one compile fewer, greedy's tokens the plain model's.
@@ -34,7 +36,7 @@ import torch.distributed as dist
 from fxcoalesce.compiler import backend
 from fxcoalesce.config import Config
 
-from fxcoalesce.apps.spec import smollm2
+from fxcoalesce.apps.spec import smollm2, treechoice
 from fxcoalesce.apps.spec.draft_head import load_head
 
 
@@ -67,13 +69,35 @@ class SpecOptions:
     quiet: bool = False
     """Rank 0 says nothing on stderr (else: what it loads, compiles and decodes, time so far,
     a line at least every ``progress.HEARTBEAT_S`` seconds)."""
+    tree: str | tuple[int, int, int] | None = None
+    """None: the tree of ``top_k``, ``depth``, ``total_tokens``. Else sized from measurement
+    (``treechoice``): "auto" (the decision cached for this machine, model, head and TP degree,
+    else measured), "measure" (anew), "spec" (the fastest tree even where greedy is faster),
+    "greedy", or a forced (top_k, depth, total_tokens). Where greedy is chosen, the greedy
+    step is compiled through fxcoalesce and decodes alone: there is no speculative run."""
 
 
 def cache_len(opt: SpecOptions) -> int:
-    """Target KV cache slots: the longest prompt, the new tokens, one step's tree, rounded up
-    to 64 (aligned attention masks)."""
-    need = max(map(len, opt.prompts)) + max(opt.tokens, opt.warmup_tokens) + opt.total_tokens
+    """Target KV cache slots: the longest prompt, the new tokens, one step's tree (the largest
+    candidate's when the tree is chosen by measurement), rounded up to 64 (aligned attention
+    masks)."""
+    tree = (treechoice.room_for_candidates()[0] if opt.tree is not None else
+            opt.total_tokens)
+    need = max(map(len, opt.prompts)) + max(opt.tokens, opt.warmup_tokens) + tree
     return -(-need // 64) * 64
+
+
+def draft_room(opt: SpecOptions) -> int:
+    """Draft KV cache slots past the target's."""
+    if opt.tree is not None:
+        return treechoice.room_for_candidates()[1]
+    return es_spec(opt).draft_slots()
+
+
+def es_spec(opt: SpecOptions):
+    from fxcoalesce.models import eagle3_static as es
+
+    return es.TreeSpec(top_k=opt.top_k, depth=opt.depth, total_tokens=opt.total_tokens)
 
 
 def _sync(dev: torch.device) -> None:
@@ -104,10 +128,28 @@ def spec_worker(rank: int, world: int, opt: SpecOptions) -> dict:
                                        embed_weight=target.embed.weight.detach().clone(),
                                        device=dev, dtype=dtype)
         llama.apply_tp(target, group)
-    spec = es.TreeSpec(top_k=opt.top_k, depth=opt.depth, total_tokens=opt.total_tokens)
     T = cache_len(opt)
-    target.setup_cache(1, T)
-    draft.setup_cache(T + spec.draft_slots())
+
+    def setup_caches() -> None:
+        target.setup_cache(1, T)
+        draft.setup_cache(T + draft_room(opt))
+
+    setup_caches()
+    choice, tree_record = None, {}
+    if opt.tree is None:
+        spec = es_spec(opt)
+    else:  # every rank measures the same steps; rank 0 decides, the others follow
+        with Phase(say, f"sizing the speculative tree from this machine's step times {on}"):
+            settings_key = f"{opt.codegen} {opt.mode}"
+            choice, tree_record = treechoice.decide(
+                opt.tree, target=target, draft=draft, tok=tok, head=Path(opt.draft),
+                prompt=list(opt.prompts[0]), group=group, dev=dev, dtype=dtype,
+                settings=settings_key, say=say, setup=setup_caches)
+        spec = choice.spec
+        setup_caches()  # as the compiled steps will find them
+        if say:
+            say(f"  tree: {choice.label()}; {choice.reason}")
+    greedy_chosen = spec is None
     reports: dict[str, list] = {"decode": [], "spec": []}  # one per compiled graph
     settings = dict(mode=opt.mode) if opt.mode else {}
 
@@ -118,12 +160,14 @@ def spec_worker(rank: int, world: int, opt: SpecOptions) -> dict:
 
     how = f"fxcoalesce, codegen {opt.codegen}{', CUDA graphs' if opt.mode else ''}"
     # the first call compiles (Dynamo, AOTAutograd, the passes, the ranks' agreement)
+    # greedy chosen: the greedy step is what decodes, compiled through fxcoalesce
+    greedy_compiled = opt.greedy_compiled or greedy_chosen
     decode = (first_call_announced(compiled(es.decode_step, "decode"), say,
                                    f"compiling the greedy decode step ({how}) {on}")
-              if opt.greedy_compiled else es.decode_step)
-    step = first_call_announced(compiled(es.spec_step, "spec"), say,
-                                f"compiling the speculative step: draft tree, verify, accept "
-                                f"({how}) {on}")
+              if greedy_compiled else es.decode_step)
+    step = None if greedy_chosen else first_call_announced(
+        compiled(es.spec_step, "spec"), say,
+        f"compiling the speculative step: draft tree, verify, accept ({how}) {on}")
     stop = (tok.eos_id,)
 
     def counted(fn, phase: Phase | None, greedy: bool):
@@ -152,7 +196,7 @@ def spec_worker(rank: int, world: int, opt: SpecOptions) -> dict:
         _sync(dev)
         t0 = time.perf_counter()
         greedy = []
-        with bars(f"decoding greedily{'' if opt.greedy_compiled else ', uncompiled,'} {on}"
+        with bars(f"decoding greedily{'' if greedy_compiled else ', uncompiled,'} {on}"
                   ) as phase:
             phase.advance()  # the prefill's token
             if greedy_too:
@@ -162,6 +206,11 @@ def spec_worker(rank: int, world: int, opt: SpecOptions) -> dict:
             phase.count = len(greedy)
         _sync(dev)
         t1 = time.perf_counter()
+        if greedy_chosen:  # the greedy decoding is the chosen one: nothing else to run
+            return {"prompt_tokens": len(ids), "greedy_tokens": len(greedy),
+                    "spec_tokens": len(greedy), "greedy_s": t1 - t0, "spec_s": t1 - t0,
+                    "accepted": [1] * (len(greedy) - 1), "same_tokens": True,
+                    "tokens": greedy, "greedy": greedy}
         with bars(f"decoding speculatively {on}") as phase:
             spec_out, stats = es.speculative_generate_static(
                 target, draft, prompt, tokens, spec=spec, step_fn=counted(step, phase, False),
@@ -177,7 +226,7 @@ def spec_worker(rank: int, world: int, opt: SpecOptions) -> dict:
     t0 = time.perf_counter()
     with torch.no_grad():
         # compile, record the graphs (an uncompiled greedy step has nothing to warm up)
-        run_both(opt.prompts[0], opt.warmup_tokens, greedy_too=opt.greedy_compiled)
+        run_both(opt.prompts[0], opt.warmup_tokens, greedy_too=greedy_compiled)
     if say:
         say(f"  compiled and warmed up in {time.perf_counter() - t0:.1f} s")
     record = {"rank": rank, "world": world, "device": str(dev),
@@ -189,7 +238,11 @@ def spec_worker(rank: int, world: int, opt: SpecOptions) -> dict:
               "verdict": {k: v[0].verdict for k, v in reports.items() if v},
               "pass_ms": {k: v[0].pass_cost_ms() for k, v in reports.items() if v},
               "head": head_config.get("training", {}),
-              "tree": {"top_k": opt.top_k, "depth": opt.depth, "total_tokens": opt.total_tokens},
+              "tree": ({"top_k": spec.top_k, "depth": spec.depth,
+                        "total_tokens": spec.total_tokens} if spec else None),
+              "tree_choice": ({"label": choice.label(), "reason": choice.reason,
+                               "greedy_chosen": greedy_chosen, **tree_record}
+                              if choice else None),
               "settings": {k: v for k, v in asdict(opt).items() if k not in ("prompts", "gguf")},
               "torch": torch.__version__, "results": []}
     for i, ids in enumerate(opt.prompts):
@@ -218,7 +271,7 @@ def summarize(rank0: dict, ranks: list[dict]) -> dict:
         "mean_accepted": round(sum(accepted) / max(len(accepted), 1), 3),
         "tokens_per_s": {"target_greedy": round(greedy_tps, 1), "speculative": round(spec_tps, 1)},
         "speedup_vs_target_greedy": round(spec_tps / greedy_tps, 3),
-        "tree": rank0["tree"], "prompts": len(res),
+        "tree": rank0["tree"], "tree_choice": rank0.get("tree_choice"), "prompts": len(res),
         "new_tokens": {"target_greedy": sum(r["greedy_tokens"] for r in res),
                        "speculative": sum(r["spec_tokens"] for r in res)},
         "same_tokens_as_greedy": sum(r["same_tokens"] for r in res),

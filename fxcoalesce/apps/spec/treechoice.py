@@ -1,0 +1,415 @@
+"""The speculative tree sized from what this machine measures (issue 34 item 1).
+
+A tree pays if the tokens it yields per step outrun greedy decoding:
+
+    tokens/s of a tree  =  accepted length (tokens per step, the bonus one included)
+                           / seconds of one speculative step (draft + verify + accept)
+    tokens/s of greedy  =  1 / seconds of one greedy step
+
+``choose`` (a pure function) takes both measured, per candidate shape, and picks the fastest
+tree, or greedy where no tree beats greedy by ``MARGIN``. What it is fed:
+
+- **step times** (``time_steps``): each candidate's ``eagle3_static.spec_step`` and the
+  greedy ``decode_step``, timed on this machine, in this process, on every rank at once (the
+  slowest rank's median counts). Uncompiled on a CPU (the demo's CPU path compiles with
+  codegen "eager", which runs the same ATen ops); on a GPU, the replay of a CUDA graph that
+  captured the step (what ``mode="reduce-overhead"`` replays), eager where capture fails.
+- **accepted lengths** (``simulate``): the decoder's own walk along a text the target wrote
+  greedily, drafting each step's tree with the head and accepting what matches the text,
+  which is what greedy verification accepts (``eagle3_static``'s steps, no target call per
+  step). Kept with the head (``acceptance.json`` beside its config, per dtype, from held-out
+  prompts: ``benchmarks/spec_acceptance.py --write-head``), else measured here on
+  ``CALIBRATION`` held-out prompts.
+
+The decision is kept per machine, model, head, TP degree, dtype and torch version in
+``<fxcoalesce cache>/spec-tree/`` (the cache the GGUF lives in: ``smollm2.cache_dir``).
+With ranks, rank 0 decides and broadcasts it; every rank times the same steps in the same
+order (their collectives pair).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from fxcoalesce.models import eagle3_static as es
+
+CANDIDATES = ((1, 1, 2), (1, 2, 3), (1, 3, 4), (1, 4, 5), (2, 3, 8), (4, 4, 16), (8, 6, 32),
+              (8, 6, 64))
+"""(top_k, depth, total_tokens) timed: chains of 1-4 draft tokens, then wider trees up to
+EAGLE-3's default (8, 6, 64), which a GPU verifies at about a greedy step's cost."""
+MARGIN = 1.05
+"""A tree is chosen only if its predicted tokens/s beats greedy's by this factor: the
+prediction's acceptance comes from other prompts, and the demo must never fall below
+0.97x of greedy."""
+CALIBRATION = {"cpu": (2, 48), "cuda": (8, 96)}
+"""Held-out prompts and new tokens each, measured when the head keeps no acceptance for the
+dtype (a GPU writes them in seconds)."""
+STATS_FILE = "acceptance.json"
+MODES = ("auto", "measure", "spec", "greedy")
+"""``--tree``: auto (the cached decision, else measure), measure (anew, rewriting the
+cache), spec (the fastest tree even where greedy is faster), greedy; or K,D,N (forced)."""
+
+
+def key_of(shape: tuple[int, int, int]) -> str:
+    return ",".join(map(str, shape))
+
+
+def parse_tree(text: str) -> str | tuple[int, int, int]:
+    """``--tree``'s value: a mode, or (top_k, depth, total_tokens) from 'K,D,N' (checked)."""
+    if text in MODES:
+        return text
+    try:
+        k, d, n = (int(x) for x in text.split(","))
+        es.TreeSpec(top_k=k, depth=d, total_tokens=n)
+    except ValueError as e:
+        detail = str(e) if "total_tokens" in str(e) else "expected K,D,N"
+        raise ValueError(f"--tree {text}: {detail} (or one of {', '.join(MODES)})") from None
+    return k, d, n
+
+
+@dataclass(slots=True)
+class Choice:
+    shape: tuple[int, int, int] | None
+    """(top_k, depth, total_tokens), or None: decode greedily."""
+    reason: str
+    """One line: what was measured and why this shape (or greedy)."""
+    rates: dict[str, float] = field(default_factory=dict)
+    """Predicted tokens/s of each candidate (key 'K,D,N') and of 'greedy'."""
+
+    @property
+    def spec(self) -> es.TreeSpec | None:
+        if self.shape is None:
+            return None
+        k, d, n = self.shape
+        return es.TreeSpec(top_k=k, depth=d, total_tokens=n)
+
+    def label(self) -> str:
+        if self.shape is None:
+            return "none (greedy decoding)"
+        k, d, n = self.shape
+        return f"{n} tokens, depth {d}, top-k {k}"
+
+
+def choose(greedy_s: float, step_s: dict[str, float], accepted: dict[str, float], *,
+           margin: float = MARGIN, force_spec: bool = False) -> Choice:
+    """The tree that maximises accepted tokens per second, or greedy when none beats greedy's
+    tokens per second by ``margin`` (``force_spec``: the best tree regardless).
+    ``greedy_s``: seconds of one greedy step; ``step_s``/``accepted``: per candidate key
+    'K,D,N', seconds of one speculative step and tokens it yields on average (>= 1)."""
+    rates = {k: accepted[k] / step_s[k] for k in step_s if k in accepted and step_s[k] > 0}
+    if not rates or greedy_s <= 0:
+        raise ValueError("choose needs a positive greedy step time and at least one candidate "
+                         "with both a step time and an accepted length")
+    greedy_rate = 1.0 / greedy_s
+    best = max(rates, key=lambda k: (rates[k], -step_s[k]))
+    k, d, n = (int(x) for x in best.split(","))
+    won = rates[best] >= margin * greedy_rate
+    why = (f"{accepted[best]:.2f} tokens per {step_s[best] * 1e3:.0f} ms step = "
+           f"{rates[best]:.1f} tok/s against greedy's {greedy_s * 1e3:.0f} ms = "
+           f"{greedy_rate:.1f} tok/s ({rates[best] / greedy_rate:.2f}x)")
+    all_rates = {**{x: round(r, 2) for x, r in rates.items()}, "greedy": round(greedy_rate, 2)}
+    if won or force_spec:
+        verdict = "fastest" if won else "forced (--tree spec): greedy predicted faster"
+        return Choice((k, d, n), f"tree ({k},{d},{n}) {verdict}: {why}", all_rates)
+    return Choice(None, f"greedy: no tree beats it by {margin:.2f}x; best tree ({k},{d},{n}): "
+                  f"{why}", all_rates)
+
+
+# --- acceptance: the decoder's walk along a greedy text -------------------------------------
+
+@torch.no_grad()
+def simulate(draft, hidden: torch.Tensor, seq: list[int], prompt_len: int,
+             spec: es.TreeSpec) -> list[int]:
+    """Tokens each step of greedy EAGLE-3 with ``spec`` emits (accepted + 1) along ``seq``
+    (prompt then the target's greedy answer), ``hidden`` [len(seq), 3H] the target's captured
+    states of ``seq`` (one causal forward): ``speculative_generate_static``'s steps, with the
+    verify replaced by comparing the tree with the text. Steps whose path could run past the
+    text's end are not taken."""
+    dev, M, P = hidden.device, spec.pairs, prompt_len
+    ids = torch.tensor(seq, device=dev)
+    draft.setup_cache(len(seq) + spec.draft_slots() + 64, hidden.dtype, dev)
+    if P > 1:  # the prompt's pairs but the last, as the decoder feeds them after its prefill
+        pos = torch.arange(P - 1, device=dev)
+        causal = torch.arange(draft.k_cache.shape[1], device=dev)[None, :] <= pos[:, None]
+        draft(ids[None, 1:P], draft.fc(hidden[None, : P - 1]), pos, pos, causal[None, None])
+    L, n = P, 1
+    tokens = torch.zeros(M, dtype=torch.long, device=dev)
+    pairs = hidden.new_zeros(M, hidden.shape[-1])
+    tokens[0], pairs[0] = ids[P], hidden[P - 1]
+    out = []
+    while L + M < len(seq):
+        tree_tokens, _, depth, mask, _ = es.draft_tree_static(
+            draft, tokens, pairs, torch.tensor(n, device=dev), torch.tensor(L, device=dev), spec)
+        right = tree_tokens == ids[L + depth]  # the root is ids[L] itself
+        accepted = ~(mask & ~right[None, :]).any(1)
+        n_acc = int((depth * accepted).max())
+        n = n_acc + 1
+        tokens = torch.zeros_like(tokens)
+        tokens[:n] = ids[L + 1 : L + 1 + n]
+        pairs = torch.zeros_like(pairs)
+        pairs[:n] = hidden[L : L + n]
+        out.append(n)
+        L += n
+    return out
+
+
+@torch.no_grad()
+def greedy_texts(target, prompts: list[list[int]], tokens: int, eos: int) -> list[list[int]]:
+    """Each prompt followed by the target's greedy answer (uncompiled, KV cached)."""
+    texts = []
+    for p in prompts:
+        target.setup_cache(1, -(-(len(p) + tokens + 1) // 64) * 64)
+        out = es.greedy_generate_static(target, torch.tensor(p, device=_device(target)), tokens,
+                                        stop_tokens=(eos,))
+        texts.append(list(p) + out)
+    return texts
+
+
+def _device(module) -> torch.device:
+    return next(module.parameters()).device
+
+
+@torch.no_grad()
+def accepted_lengths(target, draft, texts: list[tuple[list[int], int]],
+                     shapes) -> dict[str, dict]:
+    """{key 'K,D,N': {accepted_length, steps}} of each shape, walked along each (sequence,
+    prompt length) of ``texts``; the target's states from one causal forward per text."""
+    from fxcoalesce.models.eagle3 import prefill
+
+    states = []
+    for seq, P in texts:
+        target.setup_cache(1, -(-len(seq) // 64) * 64)
+        _, hidden = prefill(target, torch.tensor(seq, device=_device(target)))
+        states.append(hidden)
+    out = {}
+    for shape in shapes:
+        k, d, n = shape
+        spec = es.TreeSpec(top_k=k, depth=d, total_tokens=n)
+        steps = [s for (seq, P), h in zip(texts, states) for s in simulate(draft, h, seq, P, spec)]
+        out[key_of(shape)] = {"accepted_length": round(sum(steps) / max(len(steps), 1), 4),
+                              "steps": len(steps)}
+    return out
+
+
+def head_stats(head: Path, dtype: torch.dtype) -> dict | None:
+    """The acceptance kept with the head for ``dtype`` ({key: {accepted_length, steps}},
+    with 'prompts' and 'tokens'), or None."""
+    path = Path(head) / STATS_FILE
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text()).get(str(dtype).removeprefix("torch."))
+
+
+# --- step times ------------------------------------------------------------------------------
+
+def _timer(fn, dev: torch.device, group, reps: int) -> float:
+    """Median seconds of ``fn()``: wall time on a CPU; on CUDA the replay of a CUDA graph that
+    captured it (every rank captures, or none does), else the eager call."""
+    fn()
+    if dev.type == "cuda":
+        run, ok = fn, True
+        graph = torch.cuda.CUDAGraph()
+        try:
+            torch.cuda.synchronize(dev)
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                fn()
+        except RuntimeError:
+            torch.cuda.synchronize(dev)
+            ok = False
+        if group is not None:
+            flag = torch.tensor([int(ok)], device=dev)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+            ok = bool(flag)
+        run = graph.replay if ok else fn
+        run()
+        times = []
+        for _ in range(reps):
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
+            run()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        return statistics.median(times)
+    times = []
+    for _ in range(reps):
+        if group is not None:
+            dist.barrier(group)
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+@torch.no_grad()
+def time_steps(target, draft, prompt: list[int], shapes, *, group=None,
+               reps: int = 3) -> tuple[float, dict[str, float]]:
+    """(seconds of a greedy step, {key: seconds of a speculative step}) after ``prompt``,
+    with the caches as they are set up (the step's masks span them: set them up as the
+    decoding will). Every rank runs the same calls; the slowest rank's medians."""
+    from fxcoalesce.models.eagle3 import prefill
+
+    dev = _device(target)
+    p = torch.tensor(prompt, device=dev)
+    logits, hidden = prefill(target, p)
+    P = len(prompt)
+    root = logits[-1].argmax()
+    greedy_state = torch.stack([root, torch.tensor(P, device=dev)])
+    times = [_timer(lambda: es.decode_step(target, greedy_state), dev, group, reps)]
+    for k, d, n in shapes:
+        spec = es.TreeSpec(top_k=k, depth=d, total_tokens=n)
+        state = torch.zeros(spec.pairs + 2, dtype=torch.long, device=dev)
+        state[0], state[1], state[2] = P, 1, root
+        pairs = hidden.new_zeros(spec.pairs, hidden.shape[-1])
+        pairs[0] = hidden[-1]
+        times.append(_timer(lambda: es.spec_step(target, draft, state, pairs, spec), dev, group,
+                            reps))
+    t = torch.tensor(times, dtype=torch.float64, device=dev)
+    if group is not None:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t[0]), {key_of(s): float(x) for s, x in zip(shapes, t[1:].tolist())}
+
+
+# --- the cache and the agreed decision --------------------------------------------------------
+
+def machine_key(dev: torch.device, world: int, dtype: torch.dtype, head: Path,
+                extra: str = "") -> dict:
+    """What a decision holds for: this machine and device, the TP degree, the threads, the
+    dtype, torch, the head's files (config and stored acceptance), the settings."""
+    if dev.type == "cuda":
+        name = torch.cuda.get_device_name(dev)
+    else:
+        name = platform.processor() or platform.machine()
+        try:
+            for line in Path("/proc/cpuinfo").read_text().splitlines():
+                if line.startswith("model name"):
+                    name = line.split(":", 1)[1].strip()
+                    break
+        except OSError:
+            pass
+    digest = hashlib.sha256()
+    for f in ("config.json", STATS_FILE):
+        if (Path(head) / f).is_file():
+            digest.update((Path(head) / f).read_bytes())
+    return {"host": platform.node(), "device": name, "tp": world,
+            "threads": torch.get_num_threads() if dev.type == "cpu" else 0,
+            "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__,
+            "head": digest.hexdigest()[:16], "settings": extra, "candidates":
+            [key_of(c) for c in CANDIDATES]}
+
+
+def cache_path(key: dict) -> Path:
+    from fxcoalesce.apps.spec.smollm2 import cache_dir
+
+    name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    return cache_dir() / "spec-tree" / f"{key['tp']}x-{name}.json"
+
+
+def read_cached(key: dict) -> dict | None:
+    path = cache_path(key)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if data.get("key") == key else None
+
+
+def write_cached(key: dict, record: dict) -> Path:
+    path = cache_path(key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps({"key": key, **record}, indent=1) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def _broadcast(values: list[int], dev: torch.device, group) -> list[int]:
+    if group is None:
+        return values
+    t = torch.tensor(values, dtype=torch.long, device=dev)
+    dist.broadcast(t, src=dist.get_global_rank(group, 0) if group is not dist.group.WORLD else 0,
+                   group=group)
+    return t.tolist()
+
+
+@torch.no_grad()
+def decide(mode, *, target, draft, tok, head: Path, prompt: list[int], group, dev: torch.device,
+           dtype: torch.dtype, settings: str = "", say=None,
+           setup=None) -> tuple[Choice, dict]:
+    """The tree every rank decodes with (rank 0's decision, broadcast), and the record behind
+    it (rank 0: times, accepted lengths, rates, where they came from, the cache file).
+    ``mode``: a ``MODES`` entry or a forced (k, d, n). The caches must be set up for the
+    largest candidate (``room_for_candidates``); ``setup()`` sets them up again after a
+    calibration has used them, before the timing."""
+    rank = dist.get_rank(group) if group is not None else 0
+    world = dist.get_world_size(group) if group is not None else 1
+    if mode == "greedy" or isinstance(mode, tuple):
+        shape = None if mode == "greedy" else tuple(mode)
+        return Choice(shape, f"forced by --tree {mode if shape is None else key_of(shape)}"), {
+            "source": "forced"}
+    key = machine_key(dev, world, dtype, head, settings)
+    cached = read_cached(key) if rank == 0 and mode in ("auto", "spec") else None
+    stats = head_stats(head, dtype) if rank == 0 else None
+    have = stats is not None and all(key_of(c) in stats for c in CANDIDATES)
+    measure, calibrate = _broadcast([int(cached is None), int(not have)], dev, group)
+    if measure:
+        t0 = time.perf_counter()
+        if calibrate:  # every rank: the target's forward needs all of them
+            from fxcoalesce.apps.spec.prompts import held_out_prompts
+
+            n, new = CALIBRATION.get(dev.type, CALIBRATION["cpu"])
+            if say:
+                say(f"  measuring the head's acceptance on {n} held-out prompts ({new} tokens "
+                    f"each; it keeps none for {str(dtype).removeprefix('torch.')})")
+            prompts = [tok.encode_chat(t) for t in held_out_prompts(n)]
+            texts = greedy_texts(target, prompts, new, tok.eos_id)
+            stats = accepted_lengths(target, draft, [(s, len(p)) for s, p in zip(texts, prompts)],
+                                     CANDIDATES)
+            stats |= {"prompts": n, "tokens": new}
+            if setup is not None:
+                setup()
+        if say:
+            say(f"  timing a greedy step and {len(CANDIDATES)} tree shapes on "
+                f"{world} rank{'s' * (world > 1)} ...")
+        greedy_s, step_s = time_steps(target, draft, prompt, CANDIDATES, group=group)
+        record = {"source": "measured", "measure_s": round(time.perf_counter() - t0, 1),
+                  "greedy_step_s": round(greedy_s, 5),
+                  "step_s": {k: round(v, 5) for k, v in step_s.items()}}
+        if rank == 0:
+            record["accepted"] = {k: stats[k]["accepted_length"] for k in step_s}
+            record["acceptance_from"] = (f"{STATS_FILE} kept with the head" if not calibrate
+                                         else "measured here") + (
+                f", {stats.get('prompts')} held-out prompts x {stats.get('tokens')} tokens")
+            best = choose(greedy_s, step_s, record["accepted"])
+            record |= {"choice": key_of(best.shape) if best.shape else "greedy",
+                       "reason": best.reason, "rates": best.rates}
+            record["cache"] = str(write_cached(key, record))
+    else:
+        record = dict(cached or {}, source="cached")
+    if rank == 0:
+        forced = mode == "spec"
+        best = choose(record["greedy_step_s"], record["step_s"], record["accepted"],
+                      force_spec=forced)
+        shape = best.shape or (0, 0, 0)
+    else:
+        shape = (0, 0, 0)
+    shape = tuple(_broadcast(list(shape), dev, group))
+    if rank != 0:
+        return Choice(None if shape == (0, 0, 0) else shape, "rank 0's decision"), record
+    return best, record
+
+
+def room_for_candidates() -> tuple[int, int]:
+    """(target slots one step needs, draft slots past the committed length) of the largest
+    candidate: the caches the timing and every chosen tree fit."""
+    specs = [es.TreeSpec(top_k=k, depth=d, total_tokens=n) for k, d, n in CANDIDATES]
+    return max(s.total_tokens for s in specs), max(s.draft_slots() for s in specs)

@@ -1,0 +1,151 @@
+"""The speculative tree sized from measurement (apps/spec/treechoice.py): the choice as a pure
+function of measured step times and accepted lengths, the decoder's walk it predicts from,
+and the decision on the real SmolLM2-135M with its head (timed here, cached, forced)."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from fxcoalesce.apps.spec import treechoice as tc
+
+HEAD = Path(__file__).resolve().parents[1] / "heads" / "smollm2-135m"
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
+
+
+# --- the choice, a pure function -------------------------------------------------------------
+
+def test_choose_takes_the_argmax_of_tokens_per_second():
+    step = {"1,1,2": 0.10, "1,3,4": 0.14, "8,6,64": 0.80}
+    acc = {"1,1,2": 1.6, "1,3,4": 2.4, "8,6,64": 3.5}
+    c = tc.choose(0.08, step, acc)  # greedy 12.5 tok/s; rates 16, 17.1, 4.4
+    assert c.shape == (1, 3, 4)
+    assert c.rates["1,3,4"] == pytest.approx(2.4 / 0.14, abs=0.01)
+    assert c.rates["greedy"] == pytest.approx(12.5)
+    assert c.spec.total_tokens == 4 and c.spec.depth == 3
+    assert "(1,3,4)" in c.reason and "1.37x" in c.reason
+
+
+def test_choose_picks_greedy_when_no_tree_beats_it():
+    step = {"1,1,2": 0.15, "2,3,8": 0.30}
+    acc = {"1,1,2": 1.44, "2,3,8": 1.9}
+    c = tc.choose(0.10, step, acc)  # greedy 10 tok/s; trees 9.6, 6.3
+    assert c.shape is None and c.spec is None
+    assert c.reason.startswith("greedy: no tree beats it") and "(1,1,2)" in c.reason
+    assert c.label() == "none (greedy decoding)"
+    # forced: the best tree all the same, and the reason says greedy was predicted faster
+    forced = tc.choose(0.10, step, acc, force_spec=True)
+    assert forced.shape == (1, 1, 2) and "greedy predicted faster" in forced.reason
+
+
+def test_choose_needs_the_margin():
+    step, acc = {"1,1,2": 0.10}, {"1,1,2": 1.03}  # 10.3 tok/s against greedy's 10
+    assert tc.choose(0.10, step, acc).shape is None  # within the 5% margin: greedy
+    assert tc.choose(0.10, step, acc, margin=1.0).shape == (1, 1, 2)
+
+
+def test_choose_skips_candidates_without_an_acceptance_and_refuses_none():
+    c = tc.choose(0.2, {"1,1,2": 0.1, "4,4,16": 0.1}, {"1,1,2": 1.5})
+    assert c.shape == (1, 1, 2) and "4,4,16" not in c.rates
+    with pytest.raises(ValueError, match="at least one candidate"):
+        tc.choose(0.2, {"1,1,2": 0.1}, {})
+
+
+@pytest.mark.parametrize("text, want", [("auto", "auto"), ("greedy", "greedy"),
+                                        ("4,4,16", (4, 4, 16)), ("1,1,2", (1, 1, 2))])
+def test_parse_tree(text, want):
+    assert tc.parse_tree(text) == want
+
+
+@pytest.mark.parametrize("text, match", [("4,4", "expected K,D,N"), ("fast", "expected"),
+                                         ("1,2,9", "total_tokens")])
+def test_parse_tree_refuses(text, match):
+    with pytest.raises(ValueError, match=match):
+        tc.parse_tree(text)
+
+
+def test_demo_lines_say_greedy_was_chosen_and_why():
+    from fxcoalesce.apps.spec.demo import SmolRun, smollm2_lines
+    from fxcoalesce.apps.spec.specdecode import SpecOptions
+
+    reason = tc.choose(0.10, {"1,1,2": 0.15}, {"1,1,2": 1.44}).reason
+    summary = {"all_reduce_per_call": {"decode": {"before": 61, "after": 61,
+                                                  "lower_bound": 61}},
+               "verdict": {"decode": "already at its bound"}, "pass_ms": {},
+               "mean_accepted": 1.0, "tokens_per_s": {"speculative": 9.0, "target_greedy": 9.0},
+               "speedup_vs_target_greedy": 1.0, "ranks_agree": True,
+               "tree_choice": {"label": "none (greedy decoding)", "reason": reason,
+                               "greedy_chosen": True, "source": "measured"}}
+    run = SmolRun(summary, {"spec_tokens": 8, "same_tokens": True}, "x", False,
+                  SpecOptions(gguf="", draft="", prompts=((1,),), tree="auto"))
+    lines = smollm2_lines(run, 2)
+    assert lines[0] == "tree                             : none (greedy decoding) (measured)"
+    assert lines[1].endswith(reason) and "0.96x" in lines[1]
+    assert lines[2].startswith("all_reduce per decode step       : 61 -> 61")
+    assert not any("accepted length" in x for x in lines)
+    assert any(x.startswith("tokens per second                : 9.0 greedy") for x in lines)
+
+
+# --- the walk and the decision on the real model ----------------------------------------------
+
+@pytest.fixture(scope="module")
+def real():
+    from fxcoalesce.apps.spec import smollm2
+    from fxcoalesce.apps.spec.draft_head import load_head
+
+    target, tok = smollm2.load_target()
+    draft, _ = load_head(HEAD, target_name=smollm2.NAME, target_args=target.args,
+                         embed_weight=target.embed.weight.detach().clone())
+    return target, draft, tok
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", [(1, 2, 3), (2, 3, 8)])
+def test_simulate_takes_the_decoders_steps(real, shape):
+    """The accepted lengths the chooser predicts from are the decoder's own, step by step."""
+    from fxcoalesce.apps.spec.prompts import held_out_prompts
+    from fxcoalesce.models import eagle3_static as es
+    from fxcoalesce.models.eagle3 import prefill
+
+    target, draft, tok = real
+    prompt = tok.encode_chat(held_out_prompts(3)[2])
+    k, d, n = shape
+    spec = es.TreeSpec(top_k=k, depth=d, total_tokens=n)
+    with torch.no_grad():
+        target.setup_cache(1, 192)
+        draft.setup_cache(192 + spec.draft_slots())
+        out, stats = es.speculative_generate_static(target, draft, torch.tensor(prompt), 32,
+                                                    spec=spec, stop_tokens=(tok.eos_id,))
+        _, hidden = prefill(target, torch.tensor(prompt + out))
+        sim = tc.simulate(draft, hidden, prompt + out, len(prompt), spec)
+    assert len(sim) >= len(stats.accepted) - 3  # the last steps could run past the text
+    assert sim == stats.accepted[: len(sim)]
+    assert max(sim) > 1  # the head accepts something: the walk is not trivially all ones
+
+
+def test_decide_measures_caches_and_is_forced(real, tmp_path, monkeypatch):
+    """auto measures (this machine's step times, the head's stored acceptance), chooses what
+    ``choose`` chooses from those numbers, and keeps it; the next auto reads it back; greedy
+    and K,D,N are forced without measuring."""
+    target, draft, tok = real
+    monkeypatch.setenv("FXCOALESCE_CACHE", str(tmp_path))
+    monkeypatch.setattr(tc, "CANDIDATES", ((1, 1, 2), (1, 3, 4)))
+    prompt = tok.encode_chat("Why is the sky blue?")
+    target.setup_cache(1, 128)
+    draft.setup_cache(128 + 8)
+    kw = dict(target=target, draft=draft, tok=tok, head=HEAD, prompt=prompt, group=None,
+              dev=torch.device("cpu"), dtype=torch.float32)
+    choice, rec = tc.decide("auto", **kw)
+    assert rec["source"] == "measured" and set(rec["step_s"]) == {"1,1,2", "1,3,4"}
+    assert all(v > 0 for v in rec["step_s"].values()) and rec["greedy_step_s"] > 0
+    stored = json.loads((HEAD / tc.STATS_FILE).read_text())["float32"]
+    assert rec["accepted"] == {k: stored[k]["accepted_length"] for k in ("1,1,2", "1,3,4")}
+    again = tc.choose(rec["greedy_step_s"], rec["step_s"], rec["accepted"])
+    assert (choice.shape, choice.reason) == (again.shape, again.reason)
+    assert Path(rec["cache"]).is_file() and Path(rec["cache"]).is_relative_to(tmp_path)
+    cached_choice, cached = tc.decide("auto", **kw)
+    assert cached["source"] == "cached" and cached_choice.shape == choice.shape
+    assert cached["step_s"] == rec["step_s"]
+    assert tc.decide("greedy", **kw)[0].shape is None
+    assert tc.decide((1, 3, 4), **kw)[0].shape == (1, 3, 4)
