@@ -211,43 +211,43 @@ def head_stats(head: Path, dtype: torch.dtype) -> dict | None:
 
 # --- step times ------------------------------------------------------------------------------
 
-def _timer(fn, dev: torch.device, group, reps: int) -> float:
-    """Median seconds of ``fn()``: wall time on a CPU; on CUDA the replay of a CUDA graph that
-    captured it (every rank captures, or none does), else the eager call."""
+def _replayable(fn, dev: torch.device, group):
+    """``fn`` warmed up; on CUDA the replay of a CUDA graph that captured it (every rank
+    captures, or none does: then ``fn``)."""
     fn()
+    if dev.type != "cuda":
+        return fn
+    graph, ok = torch.cuda.CUDAGraph(), True
+    try:
+        torch.cuda.synchronize(dev)
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            fn()
+    except RuntimeError:
+        torch.cuda.synchronize(dev)
+        ok = False
+    if group is not None:
+        flag = torch.tensor([int(ok)], device=dev)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+        ok = bool(flag)
+    run = graph.replay if ok else fn
+    run()
+    return run
+
+
+def _seconds(run, dev: torch.device, group) -> float:
+    """One timed call of ``run``: CUDA events on a GPU, else wall time after a barrier."""
     if dev.type == "cuda":
-        run, ok = fn, True
-        graph = torch.cuda.CUDAGraph()
-        try:
-            torch.cuda.synchronize(dev)
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                fn()
-        except RuntimeError:
-            torch.cuda.synchronize(dev)
-            ok = False
-        if group is not None:
-            flag = torch.tensor([int(ok)], device=dev)
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-            ok = bool(flag)
-        run = graph.replay if ok else fn
+        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+        start.record()
         run()
-        times = []
-        for _ in range(reps):
-            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-            start.record()
-            run()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        return statistics.median(times)
-    times = []
-    for _ in range(reps):
-        if group is not None:
-            dist.barrier(group)
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    if group is not None:
+        dist.barrier(group)
+    t0 = time.perf_counter()
+    run()
+    return time.perf_counter() - t0
 
 
 @torch.no_grad()
@@ -255,7 +255,9 @@ def time_steps(target, draft, prompt: list[int], shapes, *, group=None,
                reps: int = 3) -> tuple[float, dict[str, float]]:
     """(seconds of a greedy step, {key: seconds of a speculative step}) after ``prompt``,
     with the caches as they are set up (the step's masks span them: set them up as the
-    decoding will). Every rank runs the same calls; the slowest rank's medians."""
+    decoding will). Each step is warmed up, then timed ``reps`` times in rounds (every step
+    once a round, so a change of the machine's load falls on all of them); medians, the
+    slowest rank's. Every rank runs the same calls in the same order."""
     from fxcoalesce.models.eagle3 import prefill
 
     dev = _device(target)
@@ -264,16 +266,18 @@ def time_steps(target, draft, prompt: list[int], shapes, *, group=None,
     P = len(prompt)
     root = logits[-1].argmax()
     greedy_state = torch.stack([root, torch.tensor(P, device=dev)])
-    times = [_timer(lambda: es.decode_step(target, greedy_state), dev, group, reps)]
+    runs = [_replayable(lambda: es.decode_step(target, greedy_state), dev, group)]
     for k, d, n in shapes:
         spec = es.TreeSpec(top_k=k, depth=d, total_tokens=n)
         state = torch.zeros(spec.pairs + 2, dtype=torch.long, device=dev)
         state[0], state[1], state[2] = P, 1, root
         pairs = hidden.new_zeros(spec.pairs, hidden.shape[-1])
         pairs[0] = hidden[-1]
-        times.append(_timer(lambda: es.spec_step(target, draft, state, pairs, spec), dev, group,
-                            reps))
-    t = torch.tensor(times, dtype=torch.float64, device=dev)
+        runs.append(_replayable(lambda state=state, pairs=pairs, spec=spec:
+                                es.spec_step(target, draft, state, pairs, spec), dev, group))
+    samples = [[_seconds(run, dev, group) for run in runs] for _ in range(reps)]
+    t = torch.tensor([statistics.median(col) for col in zip(*samples)], dtype=torch.float64,
+                     device=dev)
     if group is not None:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return float(t[0]), {key_of(s): float(x) for s, x in zip(shapes, t[1:].tolist())}
