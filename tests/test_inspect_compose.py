@@ -27,6 +27,10 @@ MODELS = {  # name: (arguments, layers traced of the model's)
                      "--set", "qk_nope_head_dim=8", "--set", "v_head_dim=16"], (4, 7)),
     # layer_types: three sliding-window layers, then a global one, twice
     "cohere2": (["--hf", "cohere2", "--tp", "4", "--layers", "8", *SMALL], (4, 8)),
+    # layer_types five sliding, one global; its rotary embedding is a function whose nodes
+    # name no layer innermost (the layer is further out in their module stack)
+    "gemma3_text": (["--hf", "gemma3_text", "--tp", "2", "--layers", "8", *SMALL,
+                     "--set", "head_dim=32"], (4, 8)),
 }
 COMPARED = ("all_reduce", "nodes", "chains", "other_collectives")
 
@@ -48,7 +52,7 @@ def predicted(report: dict) -> list[tuple]:
 
 
 @pytest.mark.parametrize("model", [pytest.param("cohere", marks=pytest.mark.slow),
-                                   "deepseek_v3", "cohere2"])
+                                   "deepseek_v3", "cohere2", "gemma3_text"])
 def test_composed_equals_the_full_trace(model, capsys, tmp_path):
     pytest.importorskip("transformers")
     args, (traced, depth) = MODELS[model]

@@ -33,6 +33,8 @@ import torch
 from torch import nn
 from torch.fx import GraphModule, Node
 
+from fxcoalesce.meta import _dotted
+
 MIN_LAYERS = 5
 """Fewer layers than this: trace every one (composing would save little)."""
 SKIP_ATTRIBUTES = ("layer_idx", "layer_id", "layer_number", "layer_index", "idx")
@@ -235,8 +237,11 @@ class Segments:
             if n.op in ("placeholder", "get_attr", "output"):
                 continue
             stack = n.meta.get("nn_module_stack")
-            if stack:
-                seg[n] = self.of_path(self._path(n))
+            if stack:  # the innermost entry inside a layer (a function such as HF's
+                # apply_rotary_pos_emb can be the innermost, named without the layer)
+                seg[n] = next((s for s in (self.of_path(_dotted(str(v[0])))
+                                           for v in reversed(list(stack.values())))
+                               if s is not None), None)
             else:
                 found = [seg[i] for i in n.all_input_nodes if seg.get(i) is not None]
                 seg[n] = max(found) if found else None
