@@ -263,3 +263,64 @@ def test_the_rewritten_llama4_moe_on_two_gloo_ranks():
     for r in spawn(_ranks_worker, 2, backend="gloo", timeout=300):
         assert (r["launches"], r["bytes"]) == (1, N * D * 4)
         assert r["close"], r["max_abs_err"]
+
+
+def _ar(x):
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    return funcol.all_reduce(x, "sum", dist.group.WORLD)
+
+
+def transposed_on_one_rank(h, x, y):
+    """Rank 1 transposes its AR(x) before the sum, rank 0 does not: summing the partials
+    would add rank 1's transposed partial to rank 0's untransposed one (wrong on both)."""
+    import torch.distributed as dist
+
+    a = _ar(x * 2)
+    if dist.get_rank() == 1:
+        a = a.t()
+    return _ar(h), a + _ar(y * 3)
+
+
+def experts_summed(h, x, y):
+    """Llama-4's MoE in program form (after a first all_reduce, which carries the run-time
+    check): shared + routed.reshape(k, n, d).sum(0), added in place."""
+    first = _ar(h)
+    out = _ar(y * 3)
+    routed = torch.cat([x * (i + 1) for i in range(K)])                  # [K * n, d]
+    out.add_(_ar(routed).reshape(K, D, D).sum(dim=0))
+    return first, out
+
+
+def _compiled_run(rank, world, name):
+    import torch.distributed._functional_collectives as funcol
+
+    import fxcoalesce
+
+    torch.set_num_threads(1)
+    fn = {"transposed": transposed_on_one_rank, "summed": experts_summed}[name]
+    gen = torch.Generator().manual_seed(100 + rank)  # values differ by rank, shapes do not
+    args = [torch.randn(D, D, generator=gen) for _ in range(3)]
+    reports = []
+    torch._dynamo.reset()
+    be = fxcoalesce.backend(fxcoalesce.Config(codegen="eager"),
+                            on_graph=lambda b, a, r: reports.append(r))
+    got = torch.compile(fn, backend=be, fullgraph=True)(*[t.clone() for t in args])
+    with torch.no_grad():
+        want = [t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
+                for t in fn(*[t.clone() for t in args])]
+    return {"got": got, "want": want, "kinds": [[b["kind"] for b in r.buckets] for r in reports],
+            "launches": [r.all_reduce["after"] for r in reports]}
+
+
+@pytest.mark.parametrize("name, kinds, launches", [
+    ("transposed", [["cat"]], [2]),   # the ranks' sums differ: bucketed, without linearity
+    ("summed", [["sum"]], [2])])      # the same maps on every rank: summed
+def test_on_real_ranks_maps_are_agreed_on(name, kinds, launches):
+    from fxcoalesce.apps.launch import spawn
+
+    for r in spawn(_compiled_run, 2, (name,), backend="gloo", timeout=300):
+        assert (r["kinds"], r["launches"]) == (kinds, launches)
+        for got, want in zip(r["got"], r["want"], strict=True):
+            torch.testing.assert_close(got, want)
