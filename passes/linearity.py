@@ -71,7 +71,7 @@ from fxcoalesce.meta import (ORIGIN, REPLACES, fake_mode_of, hinted_nbytes, hint
 
 from .decide import Decider
 from .emit import Emitter, place
-from .layout import SAME_VALUE, VIEWS, layout_chain, layout_source, restorable
+from .layout import RESHAPES, SAME_VALUE, VIEWS, layout_chain, layout_source, restorable
 from .result import Bucket, PassResult
 from .tag import pinned
 
@@ -221,33 +221,74 @@ def linear_chain(block: CommBlock, order: dict[Node, int], gm) -> Member:
             break
         ops.append(user)
         node = user
-    while ops and layout_source(ops[-1]) is None and ops[-1].target in SCALINGS:
-        ops.pop()
+    while ops and (layout_source(ops[-1]) is None and ops[-1].target in SCALINGS
+                   or _call(ops[-1], {aten.unsqueeze.default})
+                   and _call(next(iter(ops[-1].users)), {aten.cat.default})):
+        ops.pop()  # an unsqueeze into a cat stacks (``_stacked``): the tree reads its input
     return Member(block, tuple(ops))
 
 
-def _stack_terms(node: Node) -> tuple[list[Node], float, Node] | None:
-    """(the stacked tensors, their coefficient, the stack) when ``node`` is a sum or mean over
-    exactly the dimension a ``stack`` (read by nothing else) added."""
+def _call(node, targets) -> bool:
+    return isinstance(node, Node) and node.op == "call_function" and node.target in targets
+
+
+def _cat_dim(node: Node) -> int:
+    return node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+
+
+def _stacked(x: Node, dim: int) -> tuple[list[Node], list[Node]] | None:
+    """(the tensors, the nodes that stack them) when ``x`` (read by nothing else) stacks
+    tensors of one shape along ``dim``: ``stack(ts, dim)``, or as ``torch._refs.stack``
+    (Inductor's decompositions) writes it, ``view(cat(ts, dim), sizes)`` with ``len(ts)``
+    inserted into the sizes at ``dim``, or ``cat([unsqueeze(t, dim), ...], dim)``."""
+    val = tensor_val(x)
+    if len(x.users) != 1 or val is None:
+        return None
+    dim = dim % len(val.shape)
+    if _call(x, {aten.stack.default}):
+        k = _cat_dim(x)
+        return (list(x.args[0]), [x]) if isinstance(k, int) and k % len(val.shape) == dim \
+            else None
+    if _call(x, {aten.cat.default}) and _cat_dim(x) % len(val.shape) == dim:
+        parts = list(x.args[0])
+        if all(_call(u, {aten.unsqueeze.default}) and len(u.users) == 1
+               and u.args[1] % len(val.shape) == dim for u in parts):
+            return [u.args[0] for u in parts], [x, *parts]
+        return None
+    cat = x.args[0] if _call(x, RESHAPES) and x.args else None
+    if not (_call(cat, {aten.cat.default}) and len(cat.users) == 1):
+        return None
+    ts = list(cat.args[0])
+    shapes = [tensor_val(t).shape if isinstance(t, Node) and tensor_val(t) is not None
+              else None for t in ts]
+    if any(v is None or not same_shape(v, shapes[0]) for v in shapes):
+        return None
+    sizes = list(shapes[0])
+    k = _cat_dim(cat)
+    if not isinstance(k, int) or dim >= len(sizes) or k % len(sizes) != dim:
+        return None
+    sizes.insert(dim, len(ts))
+    return (ts, [x, cat]) if same_shape(val.shape, sizes) else None
+
+
+def _stack_terms(node: Node) -> tuple[list[Node], float, list[Node]] | None:
+    """(the stacked tensors, their coefficient, the nodes that stack them) when ``node`` is a
+    sum or mean over exactly the dimension a stack of them added."""
     if node.target not in STACK_REDUCTIONS or len(node.args) != 2:
         return None
     st, dims = node.args
     if set(node.kwargs) - {"keepdim", "dtype"} or node.kwargs.get("keepdim", False) or (
             node.kwargs.get("dtype") not in (None, _dtype(node))):
         return None
-    if not (isinstance(st, Node) and st.op == "call_function"
-            and st.target is aten.stack.default and len(st.users) == 1
-            and isinstance(dims, (list, tuple)) and len(dims) == 1
+    if not (isinstance(st, Node) and isinstance(dims, (list, tuple)) and len(dims) == 1
             and isinstance(dims[0], int)):
         return None
-    ts = st.args[0]
-    k = st.args[1] if len(st.args) > 1 else st.kwargs.get("dim", 0)
-    ndim = len(tensor_val(st).shape)
-    if not isinstance(k, int) or k % ndim != dims[0] % ndim or not all(
-            isinstance(t, Node) and _dtype(t) == _dtype(node) for t in ts):
+    found = _stacked(st, dims[0])
+    if found is None or not all(isinstance(t, Node) and _dtype(t) == _dtype(node)
+                                for t in found[0]):
         return None
-    c = 1 if STACK_REDUCTIONS[node.target] == 1 else 1 / len(ts)
-    return list(ts), c, st
+    c = 1 if STACK_REDUCTIONS[node.target] == 1 else 1 / len(found[0])
+    return found[0], c, found[1]
 
 
 def _children(node: Node, gm=None) -> tuple[list[tuple[Node, float]], list[Node]] | None:
@@ -257,7 +298,7 @@ def _children(node: Node, gm=None) -> tuple[list[tuple[Node, float]], list[Node]
         return None
     if node.target in STACK_REDUCTIONS:
         st = _stack_terms(node)
-        return ([(t, st[1]) for t in st[0]], [st[2]]) if st is not None else None
+        return ([(t, st[1]) for t in st[0]], st[2]) if st is not None else None
     if node.target is aten.copy.default:  # a functional copy back (an in-place op's)
         if len(node.args) != 2 or node.kwargs:
             return None
@@ -479,10 +520,27 @@ class _Rewrite:
         self.erased.update(n for g in groups for m in g for n in m.ops)
 
 
+ROUNDS = 4
+"""Rounds at most: a sum's new all_reduce can be read through maps by a later tree
+(``(AR(a) + AR(b)).t() + AR(c).t()``), which the next round sums."""
+
+
 def linearity_pass(gm: GraphModule, *, cfg: Config) -> PassResult:
     result = PassResult()
     if not cfg.reassociate:
         return result
+    for _ in range(ROUNDS):
+        done = _linearity_round(gm, cfg)
+        result.buckets += done.buckets
+        result.decisions += done.decisions
+        if not done.changed:
+            break
+        result.changed = True
+    return result
+
+
+def _linearity_round(gm: GraphModule, cfg: Config) -> PassResult:
+    result = PassResult()
     analysis = analyze(gm)
     keep = pinned(analysis.scan, cfg)
     # each all_reduce as the node a tree of adds reads it through: its chain's end

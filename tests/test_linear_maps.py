@@ -84,6 +84,24 @@ def test_a_sum_over_a_dim_of_one_all_reduce_moves_past_it():
         f"all_reduce(sum, 0) -> float32[1, {N}, 1] <- sum(sum[{K}, {N}, {D}]([0, 2], True)(#0))"]
 
 
+def test_symbolic_sizes():
+    """A sum over the experts' dim of [s0, s1, s2], summed with a [s1, s2] all_reduce: one
+    all_reduce of [s1, s2], right for any sizes."""
+    b = GraphBuilder(dynamic=True)
+    r = b.input("r", (K, N, D), dynamic=True)
+    shared = b.all_reduce(b.call(aten.mul.Tensor, b.call(aten.select.int, r, 0, 0), 3))
+    routed = b.call(aten.sum.dim_IntList, b.all_reduce(b.add(r, r)), [0])
+    gm = b.build(b.add(shared, routed))
+    out, report = run_pipeline(gm, LINEARITY)
+    out.graph.lint()
+    assert stale_vals(out) == [] and [x["kind"] for x in report.buckets] == ["sum"]
+    (ar,) = all_reduces(out)
+    assert not any(isinstance(z, int) for z in ar.meta["val"].shape)
+    for shape in ((3, 5, 2), (2, 1, 7)):
+        t = torch.randn(shape)
+        assert torch.equal(run(out, [t])[0], run(gm, [t])[0])
+
+
 def test_a_mean_of_an_avg_all_reduce_moves_past_it():
     """avg is linear too; the new collective keeps the op."""
     b = GraphBuilder()
@@ -101,6 +119,35 @@ def test_the_sum_of_a_stack_of_all_reduces():
     out, report = rewrite(b.build(b.call(aten.sum.dim_IntList, stack, [0])))
     assert counts(report) == (3, 1, 3 * N * D * 4, N * D * 4)
     assert calls(out, aten.stack.default) == []
+
+
+def _decomposed_stack(b, ws):      # torch._refs.stack along 0: view(cat(ws), [3, N, D])
+    return b.call(aten.view.default, b.call(aten.cat.default, ws), [len(ws), N, D]), 0
+
+
+def _decomposed_stack_last(b, ws):  # along the new last dim: cat of unsqueezes
+    return b.call(aten.cat.default, [b.call(aten.unsqueeze.default, w, 2) for w in ws], 2), 2
+
+
+@pytest.mark.parametrize("stack", [_decomposed_stack, _decomposed_stack_last])
+def test_the_sum_of_a_stack_as_inductor_decomposes_it(stack):
+    b = GraphBuilder()
+    xs = [b.input(f"x{i}", (N, D)) for i in range(3)]
+    stacked, dim = stack(b, [b.all_reduce(b.add(x, x)) for x in xs])
+    out, report = rewrite(b.build(b.call(aten.sum.dim_IntList, stacked, [dim])))
+    assert counts(report) == (3, 1, 3 * N * D * 4, N * D * 4)
+    assert calls(out, aten.cat.default) == []
+
+
+def test_a_cat_viewed_otherwise_is_left_alone():
+    """view(cat([a, b], 1), [2, N, D]) interleaves the rows: its sum over 0 is no sum of a
+    and b."""
+    b = GraphBuilder()
+    xs = [b.input(f"x{i}", (N, D // 2)) for i in range(2)]
+    cat = b.call(aten.cat.default, [b.all_reduce(b.add(x, x)) for x in xs], 1)
+    out, report = rewrite(b.build(b.call(aten.sum.dim_IntList, b.call(
+        aten.view.default, cat, [2, N // 2, D]), [0])))
+    assert len(all_reduces(out)) == 2
 
 
 def test_a_stack_summed_over_another_dim_is_left_alone():
@@ -176,6 +223,19 @@ def test_a_sum_of_permuted_terms_keeps_its_layout():
     assert root.meta["val"].stride() == (1, N)
     out, report = rewrite(b.build(root))
     assert counts(report)[:2] == (2, 1) and len(calls(out, aten.empty_strided.default)) == 1
+
+
+def test_a_sum_read_through_a_transpose_is_summed_again():
+    """(AR(a) + AR(b)).t() + AR(c).t(): the first sum's all_reduce is read through a
+    transpose by the second tree; a second round sums it with AR(c)."""
+    b = GraphBuilder()
+    a, c, e = (b.input(n, (D, N)) for n in "ace")
+    ab = b.add(b.all_reduce(b.add(a, a)), b.all_reduce(b.add(c, c)))
+    root = b.add(b.call(aten.t.default, ab), b.call(aten.t.default, b.all_reduce(b.add(e, e))))
+    out, report = rewrite(b.build(b.call(aten.relu.default, root)))
+    assert counts(report)[:2] == (3, 1)
+    assert described(out) == [f"all_reduce(sum, 0) -> float32[{N}, {D}] <- "
+                              f"sum(t[{D}, {N}]()(sum(#0,#1)),t[{D}, {N}]()(#2))"]
 
 
 def test_an_in_place_add_chain_of_three():
