@@ -16,11 +16,14 @@ dimensions, ``permute``, ``transpose``, ``t``, and a scaling (``neg``, ``mul`` o
 Python number or by a one-element constant the graph makes: ``scalar_tensor``, ``full``, a
 ``get_attr``), in the value's own dtype and never broadcasting it larger. In every tree of
 adds, subtractions, scalings, negations, functional copies (``out.add_(y)``, functionalized:
-``add`` and a ``copy`` back) and sums over the dimension of a ``stack`` whose leaves include
-two or more chain ends of all_reduces with one key (same group, same op, sum or avg, same
-dtype) and one shape, those all_reduces become one, of the combined partials, each partial
-put through its own chain (layout ops as reshapes). A chain that shrinks its value (a sum or
-mean over dimensions) is moved past alone too: ``sum_d(AR(x))`` becomes ``AR(sum_d(x))``.
+``add`` and a ``copy`` back) and sums over the dimension of a stack (``stack``, or as
+Inductor's decompositions write it: ``view(cat(...))``, ``cat`` of ``unsqueeze``) whose leaves
+include two or more chain ends of all_reduces with one key (same group, same op, sum or avg,
+same dtype) and one shape, those all_reduces become one, of the combined partials, each
+partial put through its own chain (layout ops as reshapes). A chain that shrinks its value (a
+sum or mean over dimensions) is moved past alone too: ``sum_d(AR(x))`` becomes
+``AR(sum_d(x))``. The pass runs again (``ROUNDS``) while it changes the graph: a sum's new
+all_reduce read through a map by a later tree (``(AR(a) + AR(b)).t() + AR(c).t()``) joins it.
 One launch instead of several, and the bytes of the smallest value read. Parallel attention
 + MLP blocks and shared + routed experts then match the engines' hand merge in launches and
 bytes; Llama-4's MoE (transformers), whose routed experts' all_reduce is read as
@@ -76,17 +79,16 @@ from .result import Bucket, PassResult
 from .tag import pinned
 
 aten = torch.ops.aten
-LINEAR_OPS = (aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor)
 LINEAR_REDUCTIONS = ("sum", "avg")
 MAPS = {aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.permute.default,
         aten.transpose.int, aten.t.default}
 """Linear maps of one tensor whose other arguments are ints (dims), read through after a
 wait: what they do to the flat row-major buffer is fixed by their input's shape and those
 ints, which the new collective's origin records."""
-SHRINKING = {aten.sum.dim_IntList, aten.sum.default, aten.mean.dim}
 SCALINGS = {aten.mul.Tensor, aten.div.Tensor, aten.neg.default}
 STACK_REDUCTIONS = {aten.sum.dim_IntList: 1, aten.mean.dim: -1}
-"""``op(stack(ts, k), [k])``: the sum of ``ts`` (or their mean: coefficient 1/len)."""
+"""``op(stack(ts, k), [k])`` (``_stacked``): the sum of ``ts`` (or their mean: coefficient
+1/len)."""
 
 
 def _dtype(node) -> torch.dtype | None:
@@ -222,7 +224,7 @@ def linear_chain(block: CommBlock, order: dict[Node, int], gm) -> Member:
         ops.append(user)
         node = user
     while ops and (layout_source(ops[-1]) is None and ops[-1].target in SCALINGS
-                   or _call(ops[-1], {aten.unsqueeze.default})
+                   or _call(ops[-1], {aten.unsqueeze.default}) and len(ops[-1].users) == 1
                    and _call(next(iter(ops[-1].users)), {aten.cat.default})):
         ops.pop()  # an unsqueeze into a cat stacks (``_stacked``): the tree reads its input
     return Member(block, tuple(ops))
