@@ -54,6 +54,9 @@ CALIBRATION = {"cpu": (2, 48), "cuda": (8, 96)}
 """Held-out prompts and new tokens each, measured when the head keeps no acceptance for the
 dtype (a GPU writes them in seconds)."""
 STATS_FILE = "acceptance.json"
+METHOD = 2
+"""How steps are timed and chosen (part of the cache key: a decision measured another way is
+not reused). 2: the fastest of 4 rounds."""
 MODES = ("auto", "measure", "spec", "greedy")
 """``--tree``: auto (the cached decision, else measure), measure (anew, rewriting the
 cache), spec (the fastest tree even where greedy is faster), greedy; or K,D,N (forced)."""
@@ -310,7 +313,7 @@ def machine_key(dev: torch.device, world: int, dtype: torch.dtype, head: Path,
             "threads": torch.get_num_threads() if dev.type == "cpu" else 0,
             "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__,
             "head": digest.hexdigest()[:16], "settings": extra, "candidates":
-            [key_of(c) for c in CANDIDATES]}
+            [key_of(c) for c in CANDIDATES], "method": METHOD}
 
 
 def cache_path(key: dict) -> Path:
