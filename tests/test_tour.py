@@ -30,15 +30,23 @@ def bench_record(plain_ms=(8.0, 4.0, 16.0), ours_ms=(5.0, 3.0, 6.0)) -> dict:
                                  "total": 35.5}])}}
 
 
-def smol_run() -> SmolRun:
-    summary = {"all_reduce_per_call": {"spec": {"before": 61, "after": 61, "lower_bound": 61}},
-               "verdict": {"spec": "already at its bound: the all_reduces form dependency "
-                                   "chains, and no exact rewrite can merge links of a chain"},
-               "pass_ms": {"spec": {"pipeline": 800.0, "ladder": 0.0, "exchange": 600.0,
-                                    "total": 1400.0}},
+def smol_run(chosen: str | None = None) -> SmolRun:
+    """A run with the default tree (``chosen`` None), or as the demo sizes it: a tree
+    ("tree") or greedy ("greedy") chosen from measurement."""
+    step = "decode" if chosen == "greedy" else "spec"
+    summary = {"all_reduce_per_call": {step: {"before": 61, "after": 61, "lower_bound": 61}},
+               "verdict": {step: "already at its bound: the all_reduces form dependency "
+                                 "chains, and no exact rewrite can merge links of a chain"},
+               "pass_ms": {step: {"pipeline": 800.0, "ladder": 0.0, "exchange": 600.0,
+                                  "total": 1400.0}},
                "mean_accepted": 2.28, "tokens_per_s": {"speculative": 3.5, "target_greedy": 6.3},
                "speedup_vs_target_greedy": 0.55, "ranks_agree": True}
-    options = SpecOptions(gguf="", draft="", prompts=((1, 2),), greedy_compiled=False)
+    if chosen:
+        summary["tree_choice"] = {"label": "4 tokens, depth 3, top-k 1", "source": "measured",
+                                  "reason": "tree (1,3,4) fastest: ...",
+                                  "greedy_chosen": chosen == "greedy"}
+    options = SpecOptions(gguf="", draft="", prompts=((1, 2),), greedy_compiled=False,
+                          tree="auto" if chosen else None)
     return SmolRun(summary, {"spec_tokens": 64, "same_tokens": True}, "text", False, options)
 
 
@@ -68,6 +76,17 @@ def test_smollm2_lines_carry_the_reports_verdict():
 def test_smollm2_lines_say_when_greedy_ran_uncompiled():
     line = next(ln for ln in smollm2_lines(smol_run(), tp=2) if ln.startswith("tokens per"))
     assert "3.5 speculative, 6.3 target-only greedy, uncompiled (0.55x;" in line
+
+
+def test_smollm2_lines_say_which_tree_and_why_first():
+    tree = smollm2_lines(smol_run("tree"), tp=2)
+    assert tree[0] == "tree                             : 4 tokens, depth 3, top-k 1 (measured)"
+    assert tree[1].endswith(": tree (1,3,4) fastest: ...")
+    assert tree[2].startswith("all_reduce per speculative step  : 61 -> 61")
+    greedy = smollm2_lines(smol_run("greedy"), tp=2)
+    assert greedy[2].startswith("all_reduce per decode step       : 61 -> 61")
+    assert "for the greedy decode step's graph" in greedy[-1]
+    assert not any(ln.startswith("mean accepted") for ln in greedy)
 
 
 def test_the_inspect_example_is_what_the_command_prints():
@@ -101,7 +120,9 @@ def labels(lines: list[str]) -> list[str]:
 
 def test_readme_shows_the_demos_lines():
     """The README's block has every label the demo prints, in the demo's order."""
-    printed = tour.merge_lines(bench_record()) + [f"  {ln}" for ln in smollm2_lines(smol_run(), 2)]
+    # on 2 CPU cores the demo chooses greedy (benchmarks/NOTES.md, issue 34)
+    printed = tour.merge_lines(bench_record()) + [f"  {ln}" for ln in
+                                                  smollm2_lines(smol_run("greedy"), 2)]
     want = labels(printed)
     shown = labels(readme_demo_block())
     assert [s for s in shown if s in want] == want, shown
