@@ -378,6 +378,8 @@ def greedy_generate(target: nn.Module, prompt: torch.Tensor, max_new_tokens: int
 class SpecStats:
     accepted: list[int]
     """Tokens emitted by each verify step (accepted draft tokens + 1 bonus)."""
+    greedy_from: int | None = None
+    """The step after which greedy decoding took over (``give_up``), None: it never did."""
 
     @property
     def steps(self) -> int:

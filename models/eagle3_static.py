@@ -179,10 +179,16 @@ def _sync_step() -> None:
 def speculative_generate_static(target: nn.Module, draft: Eagle3Draft, prompt: torch.Tensor,
                                 max_new_tokens: int, *, spec: TreeSpec,
                                 step_fn: Callable = spec_step,
-                                stop_tokens: Collection[int] = ()) -> tuple[list[int], SpecStats]:
+                                stop_tokens: Collection[int] = (),
+                                give_up: Callable[[int, int], bool] | None = None,
+                                greedy_fn: Callable = decode_step) -> tuple[list[int], SpecStats]:
     """Greedy EAGLE-3 with ``step_fn`` (``spec_step``, compiled or not): prompt [P] -> (new
     tokens, stats), the same tokens as ``eagle3.speculative_generate``. Both KV caches must be
-    set up (once: a compiled step's CUDA graph keeps their addresses)."""
+    set up (once: a compiled step's CUDA graph keeps their addresses).
+
+    ``give_up(steps, tokens)``, asked after each step, True: the rest is decoded by
+    ``greedy_fn`` (``decode_step``, compiled or not) from the same cache, the newest token as
+    its root: the same tokens (``stats.greedy_from``: the step it fell back after)."""
     T, P, M = kv_caches(target)[0].shape[1], prompt.shape[0], spec.pairs
     _check_room(P, max_new_tokens, T, spec.total_tokens, draft.k_cache.shape[1],
                 spec.draft_slots())
@@ -207,6 +213,16 @@ def speculative_generate_static(target: nn.Module, draft: Eagle3Draft, prompt: t
             out.append(t)
             if t in stop_tokens:
                 break
+        if (give_up is not None and len(out) < max_new_tokens and out[-1] not in stop_tokens
+                and give_up(len(stats.accepted), len(out))):
+            stats.greedy_from = len(stats.accepted)
+            # the newest token is the root: not in the target's cache, at position L
+            g = torch.tensor([out[-1], host[0]], device=prompt.device)
+            while len(out) < max_new_tokens and out[-1] not in stop_tokens:
+                _sync_step()
+                g = greedy_fn(target, g).clone()
+                out.append(int(g[0]))
+            break
     return out[:max_new_tokens], stats
 
 

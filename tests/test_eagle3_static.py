@@ -88,6 +88,36 @@ def test_static_generation_stops_at_a_stop_token():
     assert ref.tolist() == want
 
 
+@pytest.mark.parametrize("after", [1, 3])
+def test_greedy_takes_over_from_the_same_cache(after):
+    """``give_up`` True after a step: greedy decoding continues from the speculative
+    decoding's cache and newest token, to the same tokens; the steps before it are kept."""
+    target, draft, seq = _spec_pair()
+    asked = []
+
+    def give_up(steps, tokens):
+        asked.append((steps, tokens))
+        return steps == after
+
+    calls = []
+
+    def greedy_fn(model, state):
+        calls.append(int(state[1]))
+        return es.decode_step(model, state)
+
+    got, stats = es.speculative_generate_static(target, draft, PROMPT, 40, spec=SPEC,
+                                                give_up=give_up, greedy_fn=greedy_fn)
+    assert got == seq[len(PROMPT): len(PROMPT) + 40].tolist()
+    assert stats.greedy_from == after and len(stats.accepted) == after
+    emitted = 1 + sum(stats.accepted)  # the prefill's token, then the steps'
+    assert asked[-1] == (after, emitted)
+    # greedy's first position is the speculative decoding's committed length: prompt + emitted - 1
+    assert calls[0] == len(PROMPT) + emitted - 1 and len(calls) == 40 - emitted
+    _, never = es.speculative_generate_static(target, draft, PROMPT, 40, spec=SPEC,
+                                              give_up=lambda s, t: False)
+    assert never.greedy_from is None
+
+
 def test_compiled_steps_are_one_graph_each():
     """fullgraph=True fails on any graph break, e.g. a host read inside the step; a fixed
     shape compiles once for all steps."""

@@ -164,7 +164,9 @@ def smollm2_lines(run: SmolRun, tp: int) -> list[str]:
             f"tokens per second                : {s['tokens_per_s']['speculative']:.1f} "
             f"speculative, {s['tokens_per_s']['target_greedy']:.1f} target-only greedy"
             f"{'' if run.options.greedy_compiled else ', uncompiled'} "
-            f"({s['speedup_vs_target_greedy']:.2f}x; prefill included, after compilation)",
+            f"({s['speedup_vs_target_greedy']:.2f}x; prefill included, after compilation)"
+            + (f"; greedy took over after {r['greedy_from']} steps, the speculative tokens/s "
+               "so far below greedy's" if r.get("greedy_from") else ""),
             f"tokens equal target greedy       : {r['same_tokens']}"]
     lines.append(f"ranks agree                      : {s['ranks_agree']}")
     if cost := s["pass_ms"].get(step):

@@ -10,9 +10,10 @@ compiles two steps through the fxcoalesce backend with the same settings:
 
 With ``SpecOptions.tree`` set, the tree is first sized from measurement (``treechoice``:
 every rank times the candidate steps, rank 0 decides and broadcasts); where greedy is chosen
-only the compiled greedy step runs. ``mode="reduce-overhead"`` makes each a CUDA graph on GPUs. A warm-up prompt compiles and
-records them; every prompt is then decoded both ways, timed end to end (prefill included),
-and the two token sequences are compared. ``greedy_compiled=False`` (``fxcoalesce demo`` on
+only the compiled greedy step runs, and a chosen tree hands over to greedy when it falls
+below greedy's pace (``GUARD_RATIO``). ``mode="reduce-overhead"`` makes each a CUDA graph on
+GPUs. A warm-up prompt compiles and records them; every prompt is then decoded both ways,
+timed end to end (prefill included), and the two token sequences are compared. ``greedy_compiled=False`` (``fxcoalesce demo`` on
 a CPU) runs the greedy step uncompiled: one compile fewer, greedy's tokens the plain model's.
 Rank 0 says on stderr what it loads, compiles and decodes (``apps.progress``).
 
@@ -75,6 +76,13 @@ class SpecOptions:
     else measured), "measure" (anew), "spec" (the fastest tree even where greedy is faster),
     "greedy", or a forced (top_k, depth, total_tokens). Where greedy is chosen, the greedy
     step is compiled through fxcoalesce and decodes alone: there is no speculative run."""
+
+
+GUARD_EVERY, GUARD_RATIO = 8, 0.97
+"""With a tree chosen by measurement (``tree`` auto or measure), every 8 steps the
+speculative decoding compares its tokens/s so far with the greedy baseline's on the same
+prompt; below 0.97x, greedy decoding takes over from the same cache (the same tokens): a
+machine whose load changed since the tree was timed does not keep a losing tree."""
 
 
 def cache_len(opt: SpecOptions) -> int:
@@ -186,8 +194,25 @@ def spec_worker(rank: int, world: int, opt: SpecOptions) -> dict:
             return fn(*args)
         return call
 
+    guarded = opt.tree in ("auto", "measure")  # a forced tree runs to the end
+
+    def give_up_below(rate: float, since: float):
+        """``speculative_generate_static``'s ``give_up``: every ``GUARD_EVERY`` steps, is
+        the speculative decoding's tokens/s so far below ``GUARD_RATIO`` x greedy's ``rate``
+        (measured on the same prompt just before)? Rank 0's answer, broadcast."""
+        def give_up(steps: int, tokens: int) -> bool:
+            if steps % GUARD_EVERY:
+                return False
+            slow = tokens / max(time.perf_counter() - since, 1e-9) < GUARD_RATIO * rate
+            if group is not None:
+                flag = torch.tensor([int(slow)], device=dev)
+                dist.broadcast(flag, 0)
+                slow = bool(flag)
+            return slow
+        return give_up
+
     def run_both(ids: tuple[int, ...], tokens: int, shown: bool = False,
-                 greedy_too: bool = True) -> dict:
+                 greedy_too: bool = True, timed: bool = True) -> dict:
         prompt = torch.tensor(ids, device=dev)
         bars = (lambda what: Phase(say if shown else None, what, total=tokens, unit="tokens",
                                    done=""))
@@ -211,22 +236,24 @@ def spec_worker(rank: int, world: int, opt: SpecOptions) -> dict:
                     "spec_tokens": len(greedy), "greedy_s": t1 - t0, "spec_s": t1 - t0,
                     "accepted": [1] * (len(greedy) - 1), "same_tokens": True,
                     "tokens": greedy, "greedy": greedy}
+        guard = (give_up_below(len(greedy) / (t1 - t0), t1)
+                 if guarded and timed and greedy else None)
         with bars(f"decoding speculatively {on}") as phase:
             spec_out, stats = es.speculative_generate_static(
                 target, draft, prompt, tokens, spec=spec, step_fn=counted(step, phase, False),
-                stop_tokens=stop)
+                stop_tokens=stop, give_up=guard, greedy_fn=counted(decode, phase, True))
             phase.count = len(spec_out)
         _sync(dev)
         t2 = time.perf_counter()
         return {"prompt_tokens": len(ids), "greedy_tokens": len(greedy),
                 "spec_tokens": len(spec_out), "greedy_s": t1 - t0, "spec_s": t2 - t1,
                 "accepted": stats.accepted, "same_tokens": greedy == spec_out,
-                "tokens": spec_out, "greedy": greedy}
+                "tokens": spec_out, "greedy": greedy, "greedy_from": stats.greedy_from}
 
     t0 = time.perf_counter()
     with torch.no_grad():
         # compile, record the graphs (an uncompiled greedy step has nothing to warm up)
-        run_both(opt.prompts[0], opt.warmup_tokens, greedy_too=greedy_compiled)
+        run_both(opt.prompts[0], opt.warmup_tokens, greedy_too=greedy_compiled, timed=False)
     if say:
         say(f"  compiled and warmed up in {time.perf_counter() - t0:.1f} s")
     record = {"rank": rank, "world": world, "device": str(dev),
@@ -281,6 +308,7 @@ def summarize(rank0: dict, ranks: list[dict]) -> dict:
         "verdict": rank0.get("verdict", {}), "pass_ms": rank0.get("pass_ms", {}),
         "warmup_s": round(rank0["warmup_s"], 1),
         "settings": rank0["settings"], "head_training": rank0["head"],
+        "greedy_took_over": [r.get("greedy_from") for r in res],
         "per_prompt": [{"prompt_tokens": r["prompt_tokens"], "greedy_tokens": r["greedy_tokens"],
                         "spec_tokens": r["spec_tokens"], "greedy_s": round(r["greedy_s"], 4),
                         "spec_s": round(r["spec_s"], 4), "steps": len(r["accepted"]),

@@ -11,10 +11,12 @@ tree, or greedy where no tree beats greedy by ``MARGIN``. What it is fed:
 
 - **step times** (``time_steps``): each candidate's ``eagle3_static.spec_step`` and the
   greedy ``decode_step``, timed on this machine, in this process, on every rank at once (the
-  slowest rank's fastest of 4 rounds counts). Uncompiled on a CPU (the demo's CPU path
-  compiles with codegen "eager", which runs the same ATen ops); on a GPU, the replay of a
-  CUDA graph that captured the step (what ``mode="reduce-overhead"`` replays), eager where
-  capture fails.
+  slowest rank's counts; each candidate timed against a greedy step just before it).
+  Uncompiled on a CPU (the demo's CPU path compiles with codegen "eager", which runs the
+  same ATen ops); on a GPU, the replay of a CUDA graph that captured the step (what
+  ``mode="reduce-overhead"`` replays), eager where capture fails. Then, with a tree chosen,
+  the decoding checks itself every 8 steps against the greedy baseline and lets greedy take
+  over below 0.97x (``specdecode.GUARD_RATIO``).
 - **accepted lengths** (``simulate``): the decoder's own walk along a text the target wrote
   greedily, drafting each step's tree with the head and accepting what matches the text,
   which is what greedy verification accepts (``eagle3_static``'s steps, no target call per
@@ -54,9 +56,9 @@ CALIBRATION = {"cpu": (2, 48), "cuda": (8, 96)}
 """Held-out prompts and new tokens each, measured when the head keeps no acceptance for the
 dtype (a GPU writes them in seconds)."""
 STATS_FILE = "acceptance.json"
-METHOD = 2
+METHOD = 3
 """How steps are timed and chosen (part of the cache key: a decision measured another way is
-not reused). 2: the fastest of 4 rounds."""
+not reused). 3: each candidate's median ratio to the greedy step timed just before it."""
 MODES = ("auto", "measure", "spec", "greedy")
 """``--tree``: auto (the cached decision, else measure), measure (anew, rewriting the
 cache), spec (the fastest tree even where greedy is faster), greedy; or K,D,N (forced)."""
@@ -258,11 +260,15 @@ def time_steps(target, draft, prompt: list[int], shapes, *, group=None,
                reps: int = 4) -> tuple[float, dict[str, float]]:
     """(seconds of a greedy step, {key: seconds of a speculative step}) after ``prompt``,
     with the caches as they are set up (the step's masks span them: set them up as the
-    decoding will). Each step is warmed up, then timed ``reps`` times in rounds (every step
-    once a round, so a change of the machine's load falls on all of them); the fastest of
-    each (other jobs only ever add time: on a shared CPU the medians of 3 rounds put a 16-token
-    step at 0.36 s and an 8-token one at 1.69 s), the slowest rank's. Every rank runs the
-    same calls in the same order."""
+    decoding will). Each step is warmed up, then timed ``reps`` times in rounds, each
+    candidate right after a greedy step: a candidate costs the median of its ratios to the
+    greedy step just before it times the median greedy step, so a change of the machine's
+    load between calls cancels (on 2 shared cores, under load 4-9, plain medians of 3 rounds
+    put a 16-token step at 0.36 s and an 8-token one at 1.69 s, and the fastest of 4 rounds a
+    3-token step at 199 ms against greedy's 180). The slowest rank's figures; every rank runs
+    the same calls in the same order."""
+    import statistics
+
     from fxcoalesce.models.eagle3 import prefill
 
     dev = _device(target)
@@ -280,8 +286,13 @@ def time_steps(target, draft, prompt: list[int], shapes, *, group=None,
         pairs[0] = hidden[-1]
         runs.append(_replayable(lambda state=state, pairs=pairs, spec=spec:
                                 es.spec_step(target, draft, state, pairs, spec), dev, group))
-    samples = [[_seconds(run, dev, group) for run in runs] for _ in range(reps)]
-    t = torch.tensor([min(col) for col in zip(*samples)], dtype=torch.float64,
+    greedy, ratios = [], [[] for _ in shapes]
+    for _ in range(reps):
+        for i, run in enumerate(runs[1:]):
+            greedy.append(_seconds(runs[0], dev, group))
+            ratios[i].append(_seconds(run, dev, group) / greedy[-1])
+    g = statistics.median(greedy)
+    t = torch.tensor([g] + [g * statistics.median(r) for r in ratios], dtype=torch.float64,
                      device=dev)
     if group is not None:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
