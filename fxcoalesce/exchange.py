@@ -69,15 +69,67 @@ class Exchange:
 
     def stopped(self) -> str | None:
         """Why a rank of this store stopped on purpose, if one did (the first found)."""
-        key = self._key("stopped")
-        for r in range(dist.get_world_size() if dist.is_initialized() else 0):
-            if self.store.check([f"{key}/{r}"]):
-                return self.store.get(f"{key}/{r}").decode()
-        return None
+        ranks = range(dist.get_world_size() if dist.is_initialized() else 0)
+        return next(filter(None, map(self.stopped_rank, ranks)), None)
 
     def positions(self, rank: int) -> dict:
         """``rank``'s last published stream positions (:func:`heartbeat`), by group name."""
         return self._get(self._key("at", rank)) or {}
+
+    def skip_vote(self, frame: str, peers: set[int], groups: set, wait_s: float
+                  ) -> tuple[str, bool] | None:
+        """This rank runs ``frame`` uncompiled from here (``runtime.skipped``), where it ran
+        a tagged graph: say so, then look at ``peers``. None when every one of them says so
+        too (each issues the program's own collectives there, as under plain); else why
+        not, and whether the peers run a graph compiled before (what this rank can send
+        them, ``runtime._stop_peers``): a peer issued a collective of ``groups`` past this
+        rank's position (it runs a compiled graph there: its heartbeat says so within a
+        second), waits for proposals there (it compiles the function anew: :meth:`waits`),
+        stopped, or did not say within ``wait_s`` seconds. Each rank's n-th skip of
+        ``frame`` votes with the others' n-th."""
+        mine = {g: at for g, at in _all_positions().items() if g in groups}
+        n = self.store.add(self._key("skip", frame, "n", self.rank), 1)
+        said = self._key("skip", frame, n)
+        self.store.set(f"{said}/{self.rank}", "1")
+        deadline, pending = time.monotonic() + wait_s, set(peers)
+        while pending:
+            for q in sorted(pending):
+                if self.store.check([f"{said}/{q}"]):
+                    pending.discard(q)
+                elif self.store.check([self._key("stopped", q)]):
+                    return f"rank {q} stopped", True
+                elif any(self.positions(q).get(g, -1) > at for g, at in mine.items()) and (
+                        not self.store.check([f"{said}/{q}"])):  # (it says so first)
+                    return f"rank {q} runs it compiled", True
+                elif (w := self._get(self._key("waits", q))) and all(
+                        w.get(g) == at for g, at in mine.items()):
+                    return f"rank {q} compiles it anew", False
+            if pending and time.monotonic() > deadline:
+                return f"rank(s) {sorted(pending)} did not say within {wait_s:.0f} s", True
+            time.sleep(POLL_S[1])
+        return None
+
+    def waits(self, positions: dict | None) -> None:
+        """Say that this rank waits for its peers' proposals for a graph that starts at
+        ``positions`` (None: no longer)."""
+        self.store.set(self._key("waits", self.rank), json.dumps(positions or {}))
+
+    def stopped_rank(self, rank: int) -> str | None:
+        """Why ``rank`` stopped on purpose (:meth:`stop`), if it did (then this rank says it
+        read that: :meth:`heard`)."""
+        key = self._key("stopped", rank)
+        if not self.store.check([key]):
+            return None
+        self.store.set(self._key("heard", self.rank), "1")
+        return self.store.get(key).decode()
+
+    def heard(self, peers: set[int], wait_s: float) -> None:
+        """Wait (at most ``wait_s``) until ``peers`` have read why this rank stopped: the
+        store may live in this process, and go with it."""
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and not all(
+                self.store.check([self._key("heard", q)]) for q in peers):
+            time.sleep(POLL_S[1])
 
     def _key(self, *parts) -> str:
         return "/".join([self.ns, *map(str, parts)])
@@ -643,6 +695,13 @@ class _Run:
         t0, pause = time.monotonic(), POLL_S[0]
         limit, bound = self._limit()
         proposals = self.proposals = {self.rank: self.proposal}
+        self.ex.waits(self.proposal["pos"])
+        try:
+            return self._wait(t0, pause, limit, bound, proposals)
+        finally:
+            self.ex.waits(None)
+
+    def _wait(self, t0, pause, limit, bound, proposals) -> tuple[dict, str, float]:
         while True:
             entry = self._entry_of(self.ex.entries(self.d))
             if entry is None:
@@ -662,6 +721,10 @@ class _Run:
                     if alone != self.family:
                         why += f"; this graph ({self.family}) is compiled inside a call of it"
                     entry = self._add(self._fallback(closure, "guards differ", why))
+                elif stopped := next(filter(None, map(self.ex.stopped_rank, missing)), None):
+                    from .rank_check import CollectiveMismatchError
+
+                    raise CollectiveMismatchError(f"fxcoalesce: {stopped}")
                 elif gone := [r for r in missing if self.ex.gone(r) is not None]:
                     why = (f"rank(s) {gone} ended before compiling this graph (their "
                            "processes exited)")

@@ -196,29 +196,38 @@ def tagged(gm, new, outcome: Outcome, name: str, world: Callable | None = None,
         new = copy_graph_module(gm)
     lines = tag_pass(new, outcome.tag, world=lambda n: size(group_of(n)), where=name)
     outcome.agreement.checks = lines
-    if frame:
-        opens(frame, new)
     return new
 
 
-def opens(frame: str, gm) -> None:
-    """Remember how ``gm``, a tagged graph of ``frame``, opens (its first tagged all_reduce:
-    group, op, dtype, elements with the tag): what a rank that must stop while its peers
-    start it sends them (``runtime``)."""
+def checks_of(gm) -> list[tuple]:
+    """The checked all_reduces of a tagged graph ``gm``, in issue order, while each is its
+    group's first collective there: (group, op, dtype, elements with the tag: an int, or a
+    SymInt of the frame's inputs, device). What a rank that must stop while its peers run
+    ``gm`` sends them (``runtime``): past a group whose first collective is not checked,
+    no stand-in pairs with what the peers issue."""
+    from fxcoalesce.collectives import is_collective
     from fxcoalesce.meta import tensor_val
     from fxcoalesce.passes.tag import CHECKED
 
-    first = next((n for n in gm.graph.nodes if n.meta.get(CHECKED) is not None), None)
-    val = tensor_val(first.args[0]) if first is not None else None
-    if val is not None and isinstance(val.numel(), int):
-        OPENS[frame] = (group_of_node(first), str(first.args[1]), val.dtype, val.numel(),
-                        str(val.device))
-    else:
-        OPENS.pop(frame, None)
+    seen, entries = set(), []
+    for n in gm.graph.nodes:
+        if not is_collective(n):
+            continue
+        group = group_of_node(n)
+        first = group not in seen
+        seen.add(group)
+        if n.meta.get(CHECKED) is None:
+            continue
+        val = tensor_val(n.args[0])
+        if val is None or not first:
+            break
+        entries.append((group, str(n.args[1]), val.dtype, val.numel(), str(val.device)))
+    return entries
 
 
 OPENS: dict = {}
-"""Frame -> how its last tagged graph opens (:func:`opens`)."""
+"""Frame -> its tagged graphs on this rank (``runtime.Guarded``, the latest last): a frame
+here has run a tagged graph on this rank."""
 
 
 def _symm(sequence: Sequence) -> bool:

@@ -48,74 +48,274 @@ LIMIT_HIT = re.compile(r"^torch\._dynamo hit config\.(\w+) \((\d+)\)\s+function:
 
 
 class _RecompileLimit(logging.Handler):
-    """Dynamo's recompile limit, reached on this rank for a function the ranks agreed to
-    run rewritten: running it uncompiled would issue the program's own collectives, untagged,
-    where the peers issue the rewrite (a transport abort or wrong values). Raised on this
-    rank from Dynamo's warning (Dynamo lets it through, before the frame runs), after a
-    note in the store that the peers' wrapper turns into the same error."""
+    """Dynamo's recompile limit, reached on this rank: remembered for the message of the
+    skip that follows (:func:`skipped`). Where Dynamo has no skip hook to wrap (an older
+    torch), it stops this rank here, before the frame runs."""
 
     def emit(self, record: logging.LogRecord) -> None:
         m = LIMIT_HIT.match(record.getMessage())
         if m is None or not dist.is_initialized():
             return
-        from .exchange import process_env
-
         limit, value, name, path, line = m.groups()
-        fam = family(f"{name}@{os.path.basename(path)}:{line}")
+        frame = f"{name}@{os.path.basename(path)}:{line}"
+        _LIMITS[frame] = (limit, value)
+        from .graph_compile import OPENS
+
+        if not _SKIPS_WATCHED and frame in OPENS:
+            _stop(frame, None, "")
+
+
+_LIMITS: dict = {}
+"""Frame -> (Dynamo's limit, its value) when this rank reached it there."""
+_SKIPS_WATCHED: list = []
+
+
+def watch_dynamo() -> None:
+    """Hook Dynamo's frame skips (:func:`skipped`) and its recompile-limit warning
+    (:class:`_RecompileLimit`; again, where torch's logging set-up replaced its handlers)."""
+    logger = logging.getLogger("torch._dynamo.convert_frame")
+    if not any(isinstance(h, _RecompileLimit) for h in logger.handlers):
+        logger.addHandler(_RecompileLimit())
+    if _SKIPS_WATCHED:
+        return
+    from torch._dynamo import convert_frame
+
+    wrapper = getattr(convert_frame, "CatchErrorsWrapper", None)
+    orig = getattr(wrapper, "_handle_skip", None)
+    if orig is None:  # not this torch's shape: the recompile limit's warning only
+        return
+
+    def _handle_skip(self, result, frame):
         try:
-            env = process_env()
-        except Exception:  # no store to read: nothing agreed here
-            return
-        if fam not in env.rewritten:
-            return
-        why = (f"rank {dist.get_rank()} reached Dynamo's {limit} ({value}) for {name}, which "
-               "the ranks agreed to run rewritten, and would run it uncompiled (its "
-               "collectives then differ from its peers')")
-        env.exchange.stop(why)
-        _stop_peers(f"{name}@{os.path.basename(path)}:{line}")
-        raise CollectiveMismatchError(
-            f"fxcoalesce: {why}. Make the value that recompiles {name} the same on every rank, "
-            f"raise torch._dynamo.config.{limit}, or compile it with "
-            "Config(passes=('schedule',))")
+            _heard(result, frame)
+        except CollectiveMismatchError:
+            raise
+        except Exception:  # never break Dynamo: this rank goes on as without the hook
+            log.exception("fxcoalesce: could not look at Dynamo's result for %s",
+                          frame.f_code.co_name)
+        return orig(self, result, frame)
+
+    wrapper._handle_skip = _handle_skip
+    _SKIPS_WATCHED.append(orig)
 
 
-def _stop_peers(frame: str) -> None:
-    """Send what ``frame``'s tagged graph opens with, with a tag no rank can send (every bit
-    and its complement set; cleared under min): the peers, which run that graph, pair it
-    with their first tagged all_reduce and fail its check at once, instead of waiting for
-    this rank until the group's timeout."""
+def _heard(result, frame) -> None:
+    """What Dynamo made of ``frame``: a frame of a tagged graph here that it skipped, or
+    compiled only in part, goes to :func:`skipped`."""
+    reason = getattr(result, "skip_reason", None)
+    code = getattr(getattr(result, "guarded_code", None), "code", None)
+    if not _tagged_here(frame.f_code):
+        return
+    if code is None and reason is not None:
+        skipped(frame, str(reason))
+    elif code is not None and _runs_original(code, frame.f_code):
+        skipped(frame, _PARTLY)
+
+
+def _tagged_here(code) -> bool:
+    from .graph_compile import OPENS
+
+    return bool(OPENS) and _key(code) in OPENS
+
+
+def _key(code) -> str:
+    return f"{code.co_name}@{os.path.basename(code.co_filename)}:{code.co_firstlineno}"
+
+
+def _runs_original(new, orig) -> bool:
+    """Does ``new``, the code Dynamo made for ``orig``, end by running the rest of ``orig``'s
+    own bytecode (what Dynamo emits where it compiles up to a graph break it cannot resume
+    from, then runs the rest of the function uncompiled)? Read from the instructions the
+    two end with alike (jump targets aside): at least :data:`_TAIL` of them, a call among
+    them. A compiled function ends otherwise: the graph's outputs, or a resume function."""
+    import dis
+
+    def ops(code):
+        return [(i.opname, None if i.opcode in dis.hasjrel or i.opcode in dis.hasjabs
+                 else repr(i.argval)) for i in dis.get_instructions(code)]
+
+    want, have = ops(orig), ops(new)
+    n = 0
+    while n < min(len(want), len(have)) and want[-1 - n] == have[-1 - n]:
+        n += 1
+    return n >= _TAIL and any(op.startswith("CALL") for op, _ in want[len(want) - n:])
+
+
+_TAIL = 8
+_PARTLY = "partly"
+"""The reason :func:`skipped` hears where Dynamo runs the rest of a frame uncompiled."""
+
+
+def skipped(frame, reason: str) -> None:
+    """Dynamo runs ``frame`` uncompiled from here on this rank (it skipped the frame at a
+    recompile, gave up recompiling it, or compiled it only up to a graph break it cannot
+    resume from: ``reason`` :data:`_PARTLY`), where this rank ran a tagged graph of it: its
+    peers may run that graph while this rank issues the program's own collectives,
+    untagged (a transport abort or wrong values). The ranks that run it uncompiled vote in
+    the store (:meth:`~fxcoalesce.exchange.Exchange.skip_vote`): where every rank does, all
+    run the program's own collectives (right, as under plain); else this rank stops loudly
+    before the frame runs, and sends its peers what makes their checks fail at once."""
+    if dist.is_initialized():
+        _stop(_key(frame.f_code), {"L": frame.f_locals, "G": frame.f_globals}, reason)
+
+
+def _stop(key: str, scope: dict | None, reason: str) -> None:
+    """Stop this rank before it runs ``key`` uncompiled where a peer may run its tagged
+    graph (``scope``: the frame's locals and globals as ``L`` and ``G``; None: not known,
+    no vote)."""
+    from .exchange import group_timeout_s, process_env
+    from .graph_compile import OPENS
+
+    try:
+        env = process_env()
+    except Exception:  # no store to read: nothing agreed here
+        return
+    name, rank = key.split("@")[0], dist.get_rank()
+    entries, inputs = _running(OPENS.get(key, []), scope or {})
+    limit = _LIMITS.pop(key, None)
+    others, send = "its peers run it rewritten", True
+    groups = {g for guarded in OPENS.get(key, []) for g in guarded.groups}
+    peers = _members(groups)
+    if scope is not None:
+        wait = min(60.0, 0.5 * (group_timeout_s(default_group()) or 120.0))
+        vote = env.exchange.skip_vote(key, peers - {rank}, groups, wait)
+        if vote is None:
+            log.warning("fxcoalesce: every rank runs %s uncompiled from here (%s), so each "
+                        "issues the program's own collectives there", name,
+                        f"Dynamo's {limit[0]}" if limit else
+                        "a graph break Dynamo cannot resume from" if reason == _PARTLY else
+                        reason[:100])
+            return
+        others, send = vote
+    if limit:
+        what = f"reached Dynamo's {limit[0]} ({limit[1]}) for {name}"
+        fix = (f"Make the value that recompiles {name} the same on every rank, raise "
+               f"torch._dynamo.config.{limit[0]}, or compile it with "
+               "Config(passes=('schedule',))")
+    else:
+        what = (f"had Dynamo compile {name} again only up to a graph break it cannot resume "
+                "from, the rest to run uncompiled" if reason == _PARTLY else
+                f"had Dynamo skip {name} at a recompile ({reason[:100]})")
+        fix = (f"Keep {name}'s graph breaks alike on every rank and out of loops (a print on "
+               "one rank: torch._dynamo.config.reorderable_logging_functions.add(print)), or "
+               "compile it with Config(passes=('schedule',)); see docs/rank-agreement.md")
+    why = (f"rank {rank} {what}, which the ranks agreed to run rewritten, and would run it "
+           f"uncompiled (its collectives then differ from its peers': {others})")
+    env.exchange.stop(f"{why}. {fix}")
+    if send:
+        _stop_peers(entries, inputs)
+    env.exchange.heard(peers - {rank}, 5.0)
+    raise CollectiveMismatchError(f"fxcoalesce: {why}. {fix}")
+
+
+def _running(tagged: list, scope: dict) -> tuple[list, dict]:
+    """Of a frame's tagged graphs (``graph_compile.OPENS``), the latest whose inputs'
+    shapes fit what the frame reads now (``scope``: its ``L`` and ``G``) (what its peers run, unless another guard of theirs
+    differs): its checks (``graph_compile.checks_of``) and its size symbols' values; ([],
+    {}) where none fits or the inputs cannot be read."""
+    import torch
+
+    from .graph_compile import checks_of
+
+    for guarded in reversed(tagged):
+        try:
+            args = [_source_value(ph._dynamo_source, scope)
+                    for ph in guarded.gm.graph.nodes if ph.op == "placeholder"]
+        except Exception:  # a source outside the frame's locals
+            continue
+        phs = [n for n in guarded.gm.graph.nodes if n.op == "placeholder"]
+        fits = all(not isinstance(ex := n.meta.get("example_value"), torch.Tensor) or (
+            isinstance(a, torch.Tensor) and len(a.shape) == len(ex.shape) and all(
+                isinstance(d, torch.SymInt) or d == v for d, v in zip(ex.shape, a.shape)))
+            for n, a in zip(phs, args))
+        if fits:
+            return checks_of(guarded.checked), graph_symbols(guarded.gm, args)
+    return [], {}
+
+
+def _members(groups: set) -> set[int]:
+    """The ranks of the groups named (the world where one is not known here)."""
+    from fxcoalesce.passes.tag import group_members
+
+    out: set[int] = set()
+    for g in groups:
+        ranks = group_members(g)
+        if ranks is None:
+            return set(range(dist.get_world_size()))
+        out |= ranks
+    return out
+
+
+def _stop_peers(entries: list, inputs: dict, after: int = -1) -> None:
+    """Send, in each group of ``entries`` (``graph_compile.checks_of`` the graph the peers
+    run) past check ``after``, what its check there receives, with a tag no rank can send
+    (every bit and its complement set; cleared under min): the peers there pair it with
+    that all_reduce and fail its check at once, instead of waiting for this rank until the
+    group's timeout. ``inputs``: the values of the graph's size symbols (:func:`_concrete`)."""
     import torch
 
     from fxcoalesce.passes.tag import TAG_BITS
 
-    from .graph_compile import OPENS
-
-    if frame not in OPENS:
-        return
-    group, op, dtype, numel, device = OPENS[frame]
-    pg = dist.distributed_c10d._resolve_process_group(group)
     ops = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX,
            "min": dist.ReduceOp.MIN}
-    # numel: the tag's included. Every tag slot 1 (0 under min): each bit's pair then
-    # reduces to 1 and 1 (0 and 0), which no check passes
-    poison = torch.zeros(numel, dtype=dtype, device=device)
-    poison[-2 * TAG_BITS:] = 0 if op == "min" else 1
+    for group, op, dtype, numel, device in entries[after + 1:]:
+        numel = _concrete(numel, inputs)
+        if numel is None:  # cannot be sized here: the peers there wait for the group
+            return
+        poison = torch.zeros(numel, dtype=dtype, device=device)
+        poison[-2 * TAG_BITS:] = 0 if op == "min" else 1  # each pair: 1 and 1 (0 and 0)
+        try:
+            dist.all_reduce(poison, ops[op],
+                            group=dist.distributed_c10d._resolve_process_group(group))
+        except Exception:  # the peers stopped first, or the group is gone: they know
+            return
+
+
+def _concrete(numel, symbols: dict) -> int | None:
+    """``numel`` as an int: itself, or a SymInt evaluated on its symbols' values
+    (:func:`graph_symbols`); None where one is missing (an unbacked size)."""
+    if isinstance(numel, int):
+        return numel
     try:
-        dist.all_reduce(poison, ops[op], group=pg)
-    except Exception:  # the peers stopped first, or the group is gone: they know
-        pass
+        import sympy
+
+        expr = numel.node.expr
+        return int(expr.xreplace({s: sympy.Integer(symbols[s]) for s in expr.free_symbols}))
+    except Exception:  # a symbol not among the inputs' sizes
+        return None
 
 
-def watch_recompile_limit() -> None:
-    """Attach :class:`_RecompileLimit` to Dynamo's logger (again, where torch's logging set-up
-    replaced its handlers)."""
-    logger = logging.getLogger("torch._dynamo.convert_frame")
-    if not any(isinstance(h, _RecompileLimit) for h in logger.handlers):
-        logger.addHandler(_RecompileLimit())
+def _source_value(source, scope: dict):
+    """What a Dynamo source (``L['x']``, ``G['W'][0]``) reads in ``scope`` (``L``, ``G``)."""
+    if hasattr(source, "get_value"):
+        return source.get_value(scope, {}, {})
+    name = source.name() if callable(source.name) else source.name
+    return eval(name, dict(scope))
+
+
+def graph_symbols(gm, args) -> dict:
+    """The size symbols of a Dynamo graph ``gm`` that its inputs ``args`` show directly (a
+    dimension, or an int input, that is one symbol), with their values."""
+    import torch
+
+    out = {}
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, arg in zip(phs, args):
+        example = node.meta.get("example_value", node.meta.get("val"))
+        if isinstance(example, torch.SymInt):
+            pairs = [(example, arg)]
+        elif isinstance(example, torch.Tensor) and isinstance(arg, torch.Tensor):
+            pairs = list(zip(example.shape, arg.shape))
+        else:
+            continue
+        for size, value in pairs:
+            if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol:
+                out[size.node.expr] = int(value)
+    return out
 
 
 def stopped_peers() -> str | None:
-    """Why a peer stopped on purpose (:class:`_RecompileLimit`), if one did: read from the
+    """Why a peer stopped on purpose (:func:`_stop`), if one did: read from the
     store only after a collective failed."""
     try:
         from .exchange import process_env
@@ -144,9 +344,18 @@ class Guarded:
         self.group = default_group()
         self.run = compiled
         self.family = family(job.frame) if job.frame else None
+        tagged = [g for g in graphs if g.tagged]
+        self.checked = tagged[0].graph if len(tagged) == 1 else None
+        """The tagged ATen graph (one): what a rank that stops sends peers (:func:`_stop`)."""
+        if self.checked is not None and job.frame:
+            from .graph_compile import OPENS, checks_of
+
+            self.groups = {e[0] for e in checks_of(self.checked)}
+            OPENS.setdefault(job.frame, []).append(self)
+            del OPENS[job.frame][:-8]
         self.retirable = bool(self.family and graphs) and any(
             g.tagged or (g.sequences and g.step != len(ladder(self.cfg)) - 1) for g in graphs)
-        watch_recompile_limit()
+        watch_dynamo()
 
     def __call__(self, *args, **kwargs):
         if default_group() is not self.group:
@@ -159,6 +368,7 @@ class Guarded:
             from fxcoalesce.passes.tag import MESSAGE_START
 
             if MESSAGE_START in str(e) and REMEDY not in str(e):
+                self._stop_later_checks(str(e), args)
                 why = stopped_peers()  # a peer that stopped on purpose says why
                 raise CollectiveMismatchError(
                     str(e) + (f"; {why}" if why else "") + REMEDY) from None
@@ -166,6 +376,18 @@ class Guarded:
                 raise CollectiveMismatchError(f"fxcoalesce: {why}; this rank's collective "
                                               f"could not complete ({e})") from None
             raise
+
+    def _stop_later_checks(self, error: str, args) -> None:
+        """This rank failed a check of its graph: send what each later check receives, so
+        that the peers it meets only in later groups stop there too, not on the group's
+        timeout."""
+        from fxcoalesce.passes.tag import failed_check
+
+        from .graph_compile import checks_of
+
+        failed = failed_check(error)
+        if failed is not None and self.checked is not None:
+            _stop_peers(checks_of(self.checked), graph_symbols(self.gm, args), failed)
 
     def _retire(self) -> None:
         """The ranks saw this graph's function cut in two ways and retired its rewritten

@@ -263,18 +263,18 @@ def tag_pass(gm: GraphModule, tag: int, *, world: Callable[[Node], int], where: 
     blocks = {b.collective: b for b in analysis.scan.blocks}
     barriers = set(analysis.barriers)
     mode = fake_mode_of(gm.graph.nodes)
-    said = message(where, tag)
-    lines, last = [], None  # the last check: what is issued next reads it
+    lines, last, said, checks = [], None, "", 0  # last: the check the next collective reads
     for node, role in planned:
         block = blocks.get(node)
         if block is None:  # not an analysable all_reduce (several waits): left as it is
             continue
         if role == "tag":
+            said, checks = message(where, tag, checks), checks + 1
             last = _tag_one(gm, block, tag, mode, after_check=last, message=said)
             lines.append(f"{node.name}: tag {tag}, {node.args[1]}")
         elif last is not None:
             _carry(gm, block, mode,
-                   lambda emit, val, check=last: _gated(emit, val, check, said, 1))
+                   lambda emit, val, check=last, said=said: _gated(emit, val, check, said, 1))
             lines.append(f"{node.name}: issued after the check")
     reorder(gm.graph, barriers=barriers)  # each reads the check before it; side effects
     gm.graph.lint()                      # keep their place
@@ -282,14 +282,24 @@ def tag_pass(gm: GraphModule, tag: int, *, world: Callable[[Node], int], where: 
     return lines
 
 
-def message(where: str, tag: int) -> str:
+def message(where: str, tag: int, check: int = 0) -> str:
     """The check's error: short (CUDA's device assert takes under 255 characters) and plain
     (it is embedded in generated C++ as a string literal: no quotes or backslashes); the
-    wrapper (``runtime.Guarded``) adds what to do where it can."""
-    text = (f"{MESSAGE_START} than this rank here ({where[:40]}, tag {tag}): it runs "
+    wrapper (``runtime.Guarded``) adds what to do where it can. ``check``: which of the
+    graph's checks (0: its first group's), read back by :func:`failed_check`."""
+    text = (f"{MESSAGE_START} than this rank here ({where[:40]}, tag {tag}, check {check}): "
+            "it runs "
             "another graph (it re-cut or recompiled alone a stretch the ranks agreed to run "
             "rewritten). No wrong value was returned")
     return text[:250]
+
+
+def failed_check(error: str) -> int | None:
+    """Which check of a graph (:func:`message`'s ``check``) ``error`` reports, if any."""
+    import re
+
+    m = re.search(r", check (\d+)\): ", error) if MESSAGE_START in error else None
+    return int(m.group(1)) if m else None
 
 
 def _gated(emit, val, check, said: str, width: int, sent=None):

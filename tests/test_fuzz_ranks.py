@@ -47,12 +47,7 @@ FIXED = {
 }
 
 
-KNOWN = {
-    10002: "open (issue 32): rank 0 alone sets a flag that puts a print inside the layer loop "
-           "of a function the ranks agreed to rewrite; at that recompile Dynamo skips rank "
-           "0's frame, which then runs uncompiled against rank 1's tagged graph: gloo aborts "
-           "on the size (also seeds 10016, 6130; docs/rank-agreement.md, what stays outside)",
-}
+KNOWN: dict[int, str] = {}
 """Fixed programs that fail today for a reason understood and written down: strict xfails,
 so a fix flips them (then move them back to FIXED)."""
 

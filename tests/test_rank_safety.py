@@ -238,3 +238,59 @@ def test_the_recompile_limit_on_one_rank_for_a_rewrite_stops_every_rank_at_once(
     assert "recompile_limit" in res[0][0][2], res
     # rank 1 stopped on its tag check at once (what rank 0 sent it), not on gloo's timeout
     assert "a peer issued another collective" in res[1][0][2], res
+
+
+# --- a rewritten function that Dynamo, at a recompile, skips or compiles only in part ---
+
+def looped(x, ws, step):
+    for w in ws:
+        x = torch.tanh(ar(x @ w) + ar(x * 2))
+        if CFG.verbose:
+            print("verbose", flush=True)
+    return x
+
+
+def looped_partly(x, ws, step):
+    """The print formats ``step``, an int Dynamo made dynamic at step 1: at the recompile
+    Dynamo compiles up to the loop and runs the rest uncompiled (a graph break it cannot
+    resume from)."""
+    x = torch.relu(x) + step  # read: Dynamo makes step dynamic at step 1
+    for w in ws:
+        x = torch.tanh(ar(x @ w) + ar(x * 2))
+        if CFG.verbose:
+            print(f"verbose at step {step}")
+    return x
+
+
+def _skip_run(rank, world, who, fn):
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(0)
+    ws = [torch.randn(8, 8, generator=gen) * 0.1 for _ in range(2)]
+    fn = {"looped": looped, "looped_partly": looped_partly}[fn]
+    f = compiled(fn)
+    on = {"one": rank == 0, "all": True}[who]  # verbose from step 2 on: rank 0, or all
+    out = run_steps(f, fn, lambda s: (torch.ones(4, 8) * (rank + s + 1), ws, s), 4,
+                    before=lambda s: setattr(CFG, "verbose", on and s >= 2))
+    return out, [r.all_reduce["after"] for r in fxcoalesce.reports()]
+
+
+@pytest.mark.parametrize("fn", ["looped", "looped_partly"])
+def test_a_skip_at_a_recompile_on_one_rank_stops_every_rank_at_once(fn):
+    res = spawn(_skip_run, 2, ("one", fn), backend="gloo", timeout=400,
+                group_timeout_s=GROUP_TIMEOUT_S)
+    assert res[1][1][0] < 4, res  # the ranks agreed to sum the pairs
+    for steps, _ in res:  # right until rank 0 would run the frame uncompiled, then loud
+        assert steps[:2] == [True, True] and len(steps) == 3, res
+        assert steps[2].startswith("CollectiveMismatchError"), res
+    how = {"looped": f"Dynamo skip {fn}", "looped_partly": "cannot resume"}[fn]
+    assert how in res[0][0][2], res
+    assert "rank 1 runs it compiled" in res[0][0][2], res
+    # rank 1 stopped on its tag check at once (what rank 0 sent it), not on gloo's timeout
+    assert "a peer issued another collective" in res[1][0][2], res
+
+
+@pytest.mark.parametrize("fn", ["looped", "looped_partly"])
+def test_a_skip_at_a_recompile_on_every_rank_runs_right(fn):
+    res = spawn(_skip_run, 2, ("all", fn), backend="gloo", timeout=400,
+                group_timeout_s=GROUP_TIMEOUT_S)
+    assert all(steps == [True] * 4 for steps, _ in res), res
