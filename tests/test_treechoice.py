@@ -149,3 +149,39 @@ def test_decide_measures_caches_and_is_forced(real, tmp_path, monkeypatch):
     assert cached["step_s"] == rec["step_s"]
     assert tc.decide("greedy", **kw)[0].shape is None
     assert tc.decide((1, 3, 4), **kw)[0].shape == (1, 3, 4)
+
+
+def test_confirm_turns_to_greedy_when_the_compiled_step_is_slower(real, tmp_path, monkeypatch):
+    """After its compile the chosen tree's step is timed as it will run; a step that no
+    longer beats greedy gives greedy, and the factor goes into the cached decision, which the
+    next choice applies to every candidate."""
+    import time
+
+    from fxcoalesce.models import eagle3_static as es
+
+    target, draft, tok = real
+    monkeypatch.setenv("FXCOALESCE_CACHE", str(tmp_path))
+    prompt = tok.encode_chat("Why is the sky blue?")
+    target.setup_cache(1, 128)
+    draft.setup_cache(128 + 8)
+    key = tc.machine_key(torch.device("cpu"), 1, torch.float32, HEAD)
+    record = {"source": "measured", "greedy_step_s": 0.1, "step_s": {"1,1,2": 0.1},
+              "accepted": {"1,1,2": 1.5}, "key": key}
+    record["cache"] = str(tc.write_cached(key, record))
+    choice = tc.choose(0.1, record["step_s"], record["accepted"])
+    assert choice.shape == (1, 1, 2)
+
+    def slow_step(*args):
+        time.sleep(0.5)
+        return es.spec_step(*args)
+
+    kw = dict(target=target, draft=draft, prompt=prompt, group=None, dev=torch.device("cpu"),
+              greedy_fn=es.decode_step, capture=False)
+    after = tc.confirm(choice, record, step_fn=slow_step, **kw)
+    assert after.shape is None and "compiled, measured" in after.reason
+    assert record["compiled_factor"] > 1.5
+    cached = tc.read_cached(key)
+    assert cached["compiled_factor"] == record["compiled_factor"]
+    assert tc.choose(0.1, tc.corrected(cached), cached["accepted"]).shape is None
+    forced = {"source": "forced"}
+    assert tc.confirm(choice, forced, step_fn=slow_step, **kw).shape == (1, 1, 2)

@@ -144,11 +144,11 @@ def smollm2_lines(run: SmolRun, tp: int) -> list[str]:
         lines += [f"tree                             : {choice['label']} "
                   f"({choice.get('source', 'measured')})",
                   f"  because                        : {choice['reason']}"]
-    step = "decode" if greedy else "spec"
+    step = "decode" if greedy and "decode" in s["all_reduce_per_call"] else "spec"
     a, verdict = s["all_reduce_per_call"].get(step), s["verdict"].get(step)
     if a and tp > 1:
-        lines.append(f"all_reduce per {'decode' if greedy else 'speculative'} step"
-                     f"{'       ' if greedy else '  '}: {a['before']} -> {a['after']} "
+        lines.append(f"all_reduce per {'decode' if step == 'decode' else 'speculative'} step"
+                     f"{'       ' if step == 'decode' else '  '}: {a['before']} -> {a['after']} "
                      f"(lower bound {a['lower_bound']}); the report: {verdict}")
     lines.append(f"new tokens                       : {r['spec_tokens']}"
                  f"{' (stopped at EOS)' if run.stopped else ''}")
@@ -171,7 +171,7 @@ def smollm2_lines(run: SmolRun, tp: int) -> list[str]:
     lines.append(f"ranks agree                      : {s['ranks_agree']}")
     if cost := s["pass_ms"].get(step):
         lines.append(f"fxcoalesce inside the compile    : {pass_cost_text(cost)} for the "
-                     f"{'greedy decode' if greedy else 'speculative'} step's graph")
+                     f"{'greedy decode' if step == 'decode' else 'speculative'} step's graph")
     return lines
 
 

@@ -256,6 +256,15 @@ def spec_worker(rank: int, world: int, opt: SpecOptions) -> dict:
         run_both(opt.prompts[0], opt.warmup_tokens, greedy_too=greedy_compiled, timed=False)
     if say:
         say(f"  compiled and warmed up in {time.perf_counter() - t0:.1f} s")
+    if guarded and not greedy_chosen:  # the chosen tree as it will run, against greedy's step
+        with Phase(say, f"timing the compiled speculative step against the greedy step {on}"):
+            choice = treechoice.confirm(choice, tree_record, target=target, draft=draft,
+                                       prompt=list(opt.prompts[0]), group=group, dev=dev,
+                                       greedy_fn=decode, step_fn=step, capture=False)
+        if choice.shape is None:
+            spec, greedy_chosen = None, True
+            if say:
+                say(f"  tree: {choice.label()}; {choice.reason}")
     record = {"rank": rank, "world": world, "device": str(dev),
               "device_name": torch.cuda.get_device_name(dev) if cuda else "cpu",
               "backend": dist.get_backend() if group else "none",

@@ -216,11 +216,12 @@ def head_stats(head: Path, dtype: torch.dtype) -> dict | None:
 
 # --- step times ------------------------------------------------------------------------------
 
-def _replayable(fn, dev: torch.device, group):
+def _replayable(fn, dev: torch.device, group, capture: bool = True):
     """``fn`` warmed up; on CUDA the replay of a CUDA graph that captured it (every rank
-    captures, or none does: then ``fn``)."""
+    captures, or none does: then ``fn``; ``capture`` False: ``fn``, e.g. a compiled step
+    that replays its own graph)."""
     fn()
-    if dev.type != "cuda":
+    if dev.type != "cuda" or not capture:
         return fn
     graph, ok = torch.cuda.CUDAGraph(), True
     try:
@@ -256,8 +257,9 @@ def _seconds(run, dev: torch.device, group) -> float:
 
 
 @torch.no_grad()
-def time_steps(target, draft, prompt: list[int], shapes, *, group=None,
-               reps: int = 4) -> tuple[float, dict[str, float]]:
+def time_steps(target, draft, prompt: list[int], shapes, *, group=None, reps: int = 4,
+               greedy_fn=es.decode_step, step_fn=es.spec_step,
+               capture: bool = True) -> tuple[float, dict[str, float]]:
     """(seconds of a greedy step, {key: seconds of a speculative step}) after ``prompt``,
     with the caches as they are set up (the step's masks span them: set them up as the
     decoding will). Each step is warmed up, then timed ``reps`` times in rounds, each
@@ -277,7 +279,7 @@ def time_steps(target, draft, prompt: list[int], shapes, *, group=None,
     P = len(prompt)
     root = logits[-1].argmax()
     greedy_state = torch.stack([root, torch.tensor(P, device=dev)])
-    runs = [_replayable(lambda: es.decode_step(target, greedy_state), dev, group)]
+    runs = [_replayable(lambda: greedy_fn(target, greedy_state), dev, group, capture)]
     for k, d, n in shapes:
         spec = es.TreeSpec(top_k=k, depth=d, total_tokens=n)
         state = torch.zeros(spec.pairs + 2, dtype=torch.long, device=dev)
@@ -285,7 +287,7 @@ def time_steps(target, draft, prompt: list[int], shapes, *, group=None,
         pairs = hidden.new_zeros(spec.pairs, hidden.shape[-1])
         pairs[0] = hidden[-1]
         runs.append(_replayable(lambda state=state, pairs=pairs, spec=spec:
-                                es.spec_step(target, draft, state, pairs, spec), dev, group))
+                                step_fn(target, draft, state, pairs, spec), dev, group, capture))
     greedy, ratios = [], [[] for _ in shapes]
     for _ in range(reps):
         for i, run in enumerate(runs[1:]):
@@ -413,11 +415,14 @@ def decide(mode, *, target, draft, tok, head: Path, prompt: list[int], group, de
             record |= {"choice": key_of(best.shape) if best.shape else "greedy",
                        "reason": best.reason, "rates": best.rates}
             record["cache"] = str(write_cached(key, record))
+            record["key"] = key
     else:
         record = dict(cached or {}, source="cached")
+        if cached is not None:
+            record["cache"], record["key"] = str(cache_path(key)), key
     if rank == 0:
         forced = mode == "spec"
-        best = choose(record["greedy_step_s"], record["step_s"], record["accepted"],
+        best = choose(record["greedy_step_s"], corrected(record), record["accepted"],
                       force_spec=forced)
         shape = best.shape or (0, 0, 0)
     else:
@@ -426,6 +431,52 @@ def decide(mode, *, target, draft, tok, head: Path, prompt: list[int], group, de
     if rank != 0:
         return Choice(None if shape == (0, 0, 0) else shape, "rank 0's decision"), record
     return best, record
+
+
+def corrected(record: dict) -> dict[str, float]:
+    """The candidates' step times scaled by what compiling cost (``confirm``'s factor: the
+    compiled step against the greedy step the decoding compares with, over the uncompiled
+    ratio; 1 until a chosen tree was confirmed)."""
+    f = record.get("compiled_factor", 1.0)
+    return {k: v * f for k, v in record["step_s"].items()}
+
+
+@torch.no_grad()
+def confirm(choice: Choice, record: dict, *, target, draft, prompt: list[int], group,
+            dev: torch.device, greedy_fn, step_fn, capture: bool) -> Choice:
+    """The chosen tree's compiled step (``step_fn``) timed against the greedy step the
+    decoding is compared with (``greedy_fn``), after its compile: if it no longer beats
+    greedy, greedy (rank 0's answer, broadcast). The factor it found is kept in the cached
+    decision, so the next run chooses with it."""
+    if choice.shape is None or record.get("source") == "forced" or "step_s" not in record:
+        return choice
+    key = key_of(choice.shape)
+    greedy_s, step_s = time_steps(target, draft, prompt, [choice.shape], group=group,
+                                  greedy_fn=greedy_fn, step_fn=step_fn, capture=capture)
+    rank = dist.get_rank(group) if group is not None else 0
+    keep = 1
+    if rank == 0:
+        factor = (step_s[key] / greedy_s) / (record["step_s"][key] / record["greedy_step_s"])
+        record["compiled_factor"] = round(factor * record.get("compiled_factor", 1.0), 4)
+        record["confirm"] = {"greedy_step_s": round(greedy_s, 5),
+                             "step_s": round(step_s[key], 5)}
+        ratio = record["accepted"][key] / step_s[key] * greedy_s
+        keep = int(ratio >= 1.0)
+        if record.get("cache"):
+            write_cached({k: v for k, v in machine_key_of(record).items()},
+                         {k: v for k, v in record.items() if k != "key"})
+    keep = _broadcast([keep], dev, group)[0]
+    if keep:
+        return choice
+    if rank != 0:
+        return Choice(None, "rank 0's decision")
+    return Choice(None, f"greedy: the chosen tree {choice.shape}, compiled, measured "
+                  f"{step_s[key] * 1e3:.0f} ms a step against greedy's {greedy_s * 1e3:.0f} ms: "
+                  f"{ratio:.2f}x", choice.rates)
+
+
+def machine_key_of(record: dict) -> dict:
+    return record["key"]
 
 
 def room_for_candidates() -> tuple[int, int]:
