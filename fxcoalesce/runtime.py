@@ -201,10 +201,13 @@ def _stop(key: str, scope: dict | None, reason: str) -> None:
                "compile it with Config(passes=('schedule',)); see docs/rank-agreement.md")
     why = (f"rank {rank} {what}, which the ranks agreed to run rewritten, and would run it "
            f"uncompiled (its collectives then differ from its peers': {others})")
-    env.exchange.stop(f"{why}. {fix}")
-    if send:
-        _stop_peers(entries, inputs)
-    env.exchange.heard(peers - {rank}, 5.0)
+    try:
+        env.exchange.stop(f"{why}. {fix}")
+        if send:
+            _stop_peers(entries, inputs)
+        env.exchange.heard(peers - {rank}, 5.0)
+    except Exception:  # the store or the group went with a peer that stopped first
+        pass
     raise CollectiveMismatchError(f"fxcoalesce: {why}. {fix}")
 
 
