@@ -36,22 +36,38 @@ def family_of(name: str) -> ModuleType:
     return reg[name]
 
 
-def args_of(name: str, layers: int | None = None):
-    """The config of model ``name``, with ``layers`` overriding its depth (the config's own
-    checks apply: ValueError when that depth does not make a valid model)."""
+def args_of(name: str, layers: int | None = None, dim: int | None = None):
+    """The config of model ``name``, with ``layers`` overriding its depth and ``dim`` its
+    hidden size (MLP widths scale with it; dense attention keeps its head size, so its head
+    counts scale too). The config's own checks apply: ValueError when that does not make a
+    valid model."""
     args = family_of(name).CONFIGS[name]
-    if layers is None:
+    if layers is not None:
+        if layers < 1:
+            raise ValueError("the layer count must be at least 1")
+        args = dataclasses.replace(args, n_layers=layers)
+    if dim is None or dim == args.dim:
         return args
-    if layers < 1:
-        raise ValueError("the layer count must be at least 1")
-    return dataclasses.replace(args, n_layers=layers)
+    if dim < 1:
+        raise ValueError("the hidden size must be at least 1")
+    scaled = {f: getattr(args, f) * dim // args.dim for f in ("inter_dim", "moe_inter_dim")
+              if hasattr(args, f)}
+    if hasattr(args, "head_dim") and not hasattr(args, "kv_lora_rank"):  # dense attention
+        if dim % args.head_dim or (args.n_heads * dim) % (args.dim * args.n_kv_heads):
+            raise ValueError(f"a hidden size of {dim} does not keep {name}'s head size "
+                             f"({args.head_dim}) and its heads per KV head")
+        scaled.update(n_heads=args.n_heads * dim // args.dim,
+                      n_kv_heads=max(1, args.n_kv_heads * dim // args.dim))
+    return dataclasses.replace(args, dim=dim, **scaled)
 
 
 def build(name: str, *, hand_merged: bool = False, dtype: torch.dtype = torch.float32,
-          device=None, seed: int = 0, layers: int | None = None) -> torch.nn.Module:
-    """The unsharded model ``name`` with seeded weights (``layers`` overrides its depth)."""
-    return family_of(name).build(args_of(name, layers), hand_merged=hand_merged, dtype=dtype,
-                                 device=device, seed=seed)
+          device=None, seed: int = 0, layers: int | None = None, dim: int | None = None
+          ) -> torch.nn.Module:
+    """The unsharded model ``name`` with seeded weights (``layers`` overrides its depth,
+    ``dim`` its hidden size: :func:`args_of`)."""
+    return family_of(name).build(args_of(name, layers, dim), hand_merged=hand_merged,
+                                 dtype=dtype, device=device, seed=seed)
 
 
 def parameter_count(name: str, layers: int | None = None) -> int:

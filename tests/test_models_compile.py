@@ -85,3 +85,19 @@ def test_inductor_codegen_counts_and_values():
     assert fxcoalesce.reports()[-1].all_reduce["after"] == 1 + L
     torch.testing.assert_close(out, eager)
 
+
+
+def test_a_hidden_size_override_scales_the_model_and_its_all_reduces():
+    """``--dim`` of ``fxcoalesce bench`` (``models.args_of``): MLP widths and a dense model's
+    heads scale, the head size stays."""
+    from fxcoalesce import models
+
+    base, wide = models.args_of("neox-tiny"), models.args_of("neox-tiny", 2, dim=256)
+    assert (wide.dim, wide.n_layers, wide.head_dim) == (256, 2, base.head_dim)
+    assert wide.inter_dim == base.inter_dim * 4 and wide.n_heads == base.n_heads * 4
+    moe = models.args_of("kimi-k2-tiny", dim=128)
+    assert (moe.dim, moe.moe_inter_dim) == (128, 2 * models.args_of("kimi-k2-tiny").moe_inter_dim)
+    with pytest.raises(ValueError, match="head size"):
+        models.args_of("neox-tiny", dim=72)
+    model = build("neox-tiny", layers=2, dim=256)
+    assert len(model.layers) == 2 and model.layers[0].mlp.w1.weight.shape == (1024, 256)

@@ -46,7 +46,8 @@ def cmd_bench(args) -> int:
 
     be = backend_of(args)
     opt = BenchOptions(model=args.model, step=args.step, tokens=tuple(args.tokens),
-                       layers=args.layers, tp=args.tp, backend=be, device=args.device,
+                       layers=args.layers, dim=args.dim, tp=args.tp, backend=be,
+                       device=args.device,
                        cudagraphs=args.cudagraphs,
                        nccl_mode=(args.nccl_mode or "nvlink") if be == "nccl" else None,
                        variants=parse_variants(args.variants), steps=args.steps,
@@ -290,6 +291,9 @@ def parser() -> argparse.ArgumentParser:
                         "(default: 3)")
     b.add_argument("--layers", type=int,
                    help="override the model's number of layers (default: the model's own)")
+    b.add_argument("--dim", type=int,
+                   help="override the model's hidden size; MLP widths (and a dense model's "
+                        "heads, at the same head size) scale with it (default: its own)")
     b.add_argument("--backend", choices=["gloo", "nccl"],
                    help="process group backend (default: nccl with --device cuda and a GPU "
                         "per rank, else gloo)")

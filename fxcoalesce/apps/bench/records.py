@@ -80,7 +80,7 @@ def merge_ranks(per_rank: list[list[dict]], opt, env: dict) -> list[dict]:
         mark_noise(variants)
         records.append({
             "model": opt.model, "step": opt.step, "tp": opt.tp, "tokens": tokens,
-            "layers": opt.layers, "backend": opt.backend, "device": opt.device,
+            "layers": opt.layers, "dim": opt.dim, "backend": opt.backend, "device": opt.device,
             "cudagraphs": opt.cudagraphs, "nccl_mode": opt.nccl_mode,
             "dtype": str(opt.dtype).removeprefix("torch."), "steps": opt.steps,
             "calls_per_sample": opt.calls_per_sample,

@@ -46,7 +46,8 @@ def within_noise(v: dict, ref: dict) -> bool:
 
 
 def title(rec: dict) -> str:
-    layers = f", {rec['layers']} layers" if rec.get("layers") else ""
+    layers = (f", {rec['layers']} layers" if rec.get("layers") else "") + (
+        f", hidden {rec['dim']}" if rec.get("dim") else "")
     mode = f", NCCL {rec['nccl_mode']}" if rec.get("nccl_mode") else ""
     graphs = "CUDA graphs" if rec["cudagraphs"] else "no CUDA graphs"
     gpu = f" {rec['gpu']}" if rec.get("gpu") else ""

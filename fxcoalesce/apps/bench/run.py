@@ -66,6 +66,8 @@ class BenchOptions:
     """Token counts, each measured in turn in the same processes."""
     layers: int | None = None
     """Override of the model's number of layers."""
+    dim: int | None = None
+    """Override of the model's hidden size (``models.args_of``)."""
     tp: int = 2
     """Ranks, one process each."""
     backend: str = "gloo"
@@ -240,11 +242,13 @@ class _Rank:
         else:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
         group = dist.group.WORLD
-        self.say(f"building {opt.model}{f' ({opt.layers} layers)' if opt.layers else ''} "
+        size = ", ".join(([f"{opt.layers} layers"] if opt.layers else [])
+                         + ([f"hidden {opt.dim}"] if opt.dim else []))
+        self.say(f"building {opt.model}{f' ({size})' if size else ''} "
                  f"on {self.dev.type} ({str(opt.dtype).removeprefix('torch.')}), sharding it "
                  f"over {world} ranks ...")
         self.model = models.apply_tp(models.build(opt.model, dtype=opt.dtype, device=self.dev,
-                                                  layers=opt.layers), group)
+                                                  layers=opt.layers, dim=opt.dim), group)
         self.twin = (hand_merged_twin(self.model)
                      if "hand-merged" in opt.variants and has_hand_merged(opt.model) else None)
 
