@@ -185,3 +185,20 @@ def test_confirm_turns_to_greedy_when_the_compiled_step_is_slower(real, tmp_path
     assert tc.choose(0.1, tc.corrected(cached), cached["accepted"]).shape is None
     forced = {"source": "forced"}
     assert tc.confirm(choice, forced, step_fn=slow_step, **kw).shape == (1, 1, 2)
+
+
+def test_learn_keeps_what_the_decoding_realized(tmp_path, monkeypatch):
+    """A tree predicted at 1.5x that decoded at 0.75x: the cached factor doubles, and the
+    next choice from the cache is greedy."""
+    monkeypatch.setenv("FXCOALESCE_CACHE", str(tmp_path))
+    key = tc.machine_key(torch.device("cpu"), 2, torch.float32, HEAD)
+    record = {"source": "measured", "greedy_step_s": 0.1, "step_s": {"1,1,2": 0.1},
+              "accepted": {"1,1,2": 1.5}, "key": key}
+    record["cache"] = str(tc.write_cached(key, record))
+    learned = tc.learn(record, (1, 1, 2), 0.75)
+    assert learned == {"tree": "1,1,2", "predicted": 1.5, "realized": 0.75,
+                       "compiled_factor": 2.0}
+    cached = tc.read_cached(key)
+    assert cached["compiled_factor"] == 2.0
+    assert tc.choose(0.1, tc.corrected(cached), cached["accepted"]).shape is None
+    assert tc.learn({"source": "forced"}, (1, 1, 2), 0.5) is None

@@ -292,6 +292,11 @@ def spec_worker(rank: int, world: int, opt: SpecOptions) -> dict:
         if rank == 0 and opt.progress:
             Path(opt.progress).write_text(json.dumps(summarize(record, [record]), indent=1))
     record["graphs"] = {k: len(v) for k, v in reports.items()}  # a recompile would show here
+    if rank == 0 and guarded and not greedy_chosen and choice is not None:
+        res = record["results"]
+        realized = (sum(r["spec_tokens"] for r in res) / sum(r["spec_s"] for r in res)) / (
+            sum(r["greedy_tokens"] for r in res) / sum(r["greedy_s"] for r in res))
+        record["tree_choice"]["learned"] = treechoice.learn(tree_record, choice.shape, realized)
     return record
 
 

@@ -15,8 +15,9 @@ tree, or greedy where no tree beats greedy by ``MARGIN``. What it is fed:
   Uncompiled on a CPU (the demo's CPU path compiles with codegen "eager", which runs the
   same ATen ops); on a GPU, the replay of a CUDA graph that captured the step (what
   ``mode="reduce-overhead"`` replays), eager where capture fails. Then, with a tree chosen,
-  the decoding checks itself every 8 steps against the greedy baseline and lets greedy take
-  over below 0.97x (``specdecode.GUARD_RATIO``).
+  its compiled step is timed again (``confirm``), the decoding checks itself every 8 steps
+  against the greedy baseline and lets greedy take over below 0.97x
+  (``specdecode.GUARD_RATIO``), and what it realized is kept for the next run (``learn``).
 - **accepted lengths** (``simulate``): the decoder's own walk along a text the target wrote
   greedily, drafting each step's tree with the head and accepting what matches the text,
   which is what greedy verification accepts (``eagle3_static``'s steps, no target call per
@@ -473,6 +474,24 @@ def confirm(choice: Choice, record: dict, *, target, draft, prompt: list[int], g
     return Choice(None, f"greedy: the chosen tree {choice.shape}, compiled, measured "
                   f"{step_s[key] * 1e3:.0f} ms a step against greedy's {greedy_s * 1e3:.0f} ms: "
                   f"{ratio:.2f}x", choice.rates)
+
+
+def learn(record: dict, shape: tuple[int, int, int], realized: float) -> dict | None:
+    """After a decoding with the chosen tree: its tokens/s over greedy's as realized against
+    the predicted ratio; the cached decision's factor is scaled by their quotient, so the next
+    run on this machine chooses with what the decoding really did (a tree that decoded below
+    greedy is then not chosen again unless a re-measure says so). -> what was learned."""
+    if "step_s" not in record or not record.get("cache") or record.get("source") == "forced":
+        return None
+    key = key_of(shape)
+    step = corrected(record)[key]
+    predicted = record["accepted"][key] / step * record["greedy_step_s"]
+    record["compiled_factor"] = round(record.get("compiled_factor", 1.0)
+                                      * predicted / max(realized, 1e-6), 4)
+    record["realized"] = {"tree": key, "predicted": round(predicted, 3),
+                          "realized": round(realized, 3)}
+    write_cached(record["key"], {k: v for k, v in record.items() if k != "key"})
+    return record["realized"] | {"compiled_factor": record["compiled_factor"]}
 
 
 def machine_key_of(record: dict) -> dict:
