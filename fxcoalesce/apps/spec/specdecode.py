@@ -260,7 +260,8 @@ def spec_worker(rank: int, world: int, opt: SpecOptions) -> dict:
         with Phase(say, f"timing the compiled speculative step against the greedy step {on}"):
             choice = treechoice.confirm(choice, tree_record, target=target, draft=draft,
                                        prompt=list(opt.prompts[0]), group=group, dev=dev,
-                                       greedy_fn=decode, step_fn=step, capture=False)
+                                       greedy_fn=decode, step_fn=step, capture=False,
+                                       spec=spec)
         if choice.shape is None:
             spec, greedy_chosen = None, True
             if say:

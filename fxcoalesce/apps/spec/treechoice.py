@@ -281,8 +281,10 @@ def time_steps(target, draft, prompt: list[int], shapes, *, group=None, reps: in
     root = logits[-1].argmax()
     greedy_state = torch.stack([root, torch.tensor(P, device=dev)])
     runs = [_replayable(lambda: greedy_fn(target, greedy_state), dev, group, capture)]
-    for k, d, n in shapes:
-        spec = es.TreeSpec(top_k=k, depth=d, total_tokens=n)
+    specs = [s if isinstance(s, es.TreeSpec) else es.TreeSpec(top_k=s[0], depth=s[1],
+                                                                total_tokens=s[2])
+             for s in shapes]
+    for spec in specs:  # a compiled step is called with its own TreeSpec: no recompile
         state = torch.zeros(spec.pairs + 2, dtype=torch.long, device=dev)
         state[0], state[1], state[2] = P, 1, root
         pairs = hidden.new_zeros(spec.pairs, hidden.shape[-1])
@@ -299,7 +301,8 @@ def time_steps(target, draft, prompt: list[int], shapes, *, group=None, reps: in
                      device=dev)
     if group is not None:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return float(t[0]), {key_of(s): float(x) for s, x in zip(shapes, t[1:].tolist())}
+    return float(t[0]), {key_of((s.top_k, s.depth, s.total_tokens)): float(x)
+                         for s, x in zip(specs, t[1:].tolist())}
 
 
 # --- the cache and the agreed decision --------------------------------------------------------
@@ -444,7 +447,7 @@ def corrected(record: dict) -> dict[str, float]:
 
 @torch.no_grad()
 def confirm(choice: Choice, record: dict, *, target, draft, prompt: list[int], group,
-            dev: torch.device, greedy_fn, step_fn, capture: bool) -> Choice:
+            dev: torch.device, greedy_fn, step_fn, capture: bool, spec=None) -> Choice:
     """The chosen tree's compiled step (``step_fn``) timed against the greedy step the
     decoding is compared with (``greedy_fn``), after its compile: if it no longer beats
     greedy, greedy (rank 0's answer, broadcast). The factor it found is kept in the cached
@@ -452,7 +455,7 @@ def confirm(choice: Choice, record: dict, *, target, draft, prompt: list[int], g
     if choice.shape is None or record.get("source") == "forced" or "step_s" not in record:
         return choice
     key = key_of(choice.shape)
-    greedy_s, step_s = time_steps(target, draft, prompt, [choice.shape], group=group,
+    greedy_s, step_s = time_steps(target, draft, prompt, [spec or choice.shape], group=group,
                                   greedy_fn=greedy_fn, step_fn=step_fn, capture=capture)
     rank = dist.get_rank(group) if group is not None else 0
     keep = 1
