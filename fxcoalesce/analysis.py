@@ -12,7 +12,11 @@ before it, so no merge ever crosses one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import contextlib
+import dataclasses
+import operator
+from contextvars import ContextVar
+from dataclasses import dataclass, field
 
 import torch
 from torch.fx import GraphModule, Node
@@ -50,6 +54,9 @@ class Analysis:
     barriers: list[Node]
     chains: dict[Key, int]
     """Longest chain per key."""
+    memo: dict = field(default_factory=dict, repr=False, compare=False)
+    """What is computed from this analysis alone, kept with it (``cost.compute_prefix``
+    per roofline): an analysis reused for an unchanged graph brings its predictions."""
 
     @property
     def lower_bound(self) -> int:
@@ -89,13 +96,83 @@ def _vmax(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
     return a if a == b else tuple(x if x >= y else y for x, y in zip(a, b))
 
 
+_CACHE: ContextVar[dict | None] = ContextVar("fxcoalesce_analysis_cache", default=None)
+
+
+@contextlib.contextmanager
+def analysis_cache():
+    """Within it, :func:`analyze` of a graph that has not changed since its last analysis
+    returns that analysis again (the pipeline: each pass analyses the graph it is given, and
+    most passes leave it as it was). Unchanged means :func:`graph_state` is the same: the
+    same nodes in the same order, each with the same op, target, arguments and value."""
+    token = _CACHE.set({})
+    try:
+        yield
+    finally:
+        _CACHE.reset(token)
+
+
+def graph_state(graph: torch.fx.Graph) -> list:
+    """What :func:`analyze` reads of ``graph``, by identity: every node in order with its op,
+    target, args, kwargs (FX makes a new tuple and dict on every update) and fake value.
+    Holding the objects keeps their identities unique, so comparing them (``same_state``)
+    is exact. Users follow from the args of all nodes."""
+    state = []
+    for n in graph.nodes:
+        meta = n.meta
+        state += (n, n.op, n.target, n._args, n._kwargs,
+                  meta["val"] if "val" in meta else meta.get("example_value"))
+    return state
+
+
+def same_state(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(map(operator.is_, a, b))
+
+
+def remember(graph: torch.fx.Graph, analysis: Analysis) -> None:
+    """Keep ``analysis`` as ``graph``'s (inside :func:`analysis_cache`; else nothing)."""
+    cache = _CACHE.get()
+    if cache is not None:
+        cache[id(graph)] = (graph, graph_state(graph), analysis)
+
+
+def remapped(analysis: Analysis, nodes: dict[Node, Node]) -> Analysis:
+    """``analysis`` of a graph, read for a node-for-node copy of it (``nodes``: original ->
+    copy, every node, output included): what :func:`analyze` of the copy finds."""
+    blocks = {b: dataclasses.replace(
+        b, collective=nodes[b.collective], wait=nodes[b.wait], input=nodes[b.input],
+        copy_back=None if b.copy_back is None else nodes[b.copy_back])
+        for b in analysis.scan.blocks}
+    s = analysis.scan
+    scan = CommScan(blocks=[blocks[b] for b in s.blocks],
+                    skipped=[(nodes[n], why) for n, why in s.skipped], other=dict(s.other),
+                    unknown=[(nodes[n], why) for n, why in s.unknown],
+                    sequence=[nodes[n] for n in s.sequence])
+    infos = [dataclasses.replace(i, block=blocks[i.block]) for i in analysis.infos]
+    return Analysis(scan, infos, {nodes[n]: i for n, i in analysis.order.items()},
+                    [nodes[n] for n in analysis.barriers], dict(analysis.chains))
+
+
 def analyze(gm: GraphModule | torch.fx.Graph, scan: CommScan | None = None) -> Analysis:
     """Levels, windows and the lower bound for every all_reduce of ``gm`` (linear time).
 
     Reads ATen graphs (what AOTAutograd hands a backend) and Dynamo-level graphs alike.
+    Inside :func:`analysis_cache`, an unchanged graph's analysis is returned again.
     """
     graph = gm.graph if isinstance(gm, GraphModule) else gm
-    scan = scan or find_comm_blocks(graph)
+    cache = _CACHE.get()
+    if scan is None and cache is not None:
+        state = graph_state(graph)
+        entry = cache.get(id(graph))
+        if entry is not None and entry[0] is graph and same_state(entry[1], state):
+            return entry[2]
+        found = _analyze(graph, find_comm_blocks(graph))
+        cache[id(graph)] = (graph, state, found)
+        return found
+    return _analyze(graph, scan or find_comm_blocks(graph))
+
+
+def _analyze(graph: torch.fx.Graph, scan: CommScan) -> Analysis:
     nodes = list(graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
     keys = list(dict.fromkeys(b.key for b in scan.blocks))

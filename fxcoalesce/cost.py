@@ -80,6 +80,14 @@ def node_us(node: Node, roof: Roofline) -> float:
     return us
 
 
+def carry_estimates(nodes: dict[Node, Node]) -> None:
+    """Give each copy the estimate of its original (``nodes``: original -> copy, a
+    node-for-node copy sharing the originals' values), so none is estimated again."""
+    for old, new in nodes.items():
+        if (cached := _ESTIMATES.get(old)) is not None:
+            _ESTIMATES[new] = cached
+
+
 def _node_us(node: Node, roof: Roofline) -> float:
     out = tensor_val(node)
     if node.op != "call_function" or out is None or is_collective(node) or op_of(node) is WAIT:
@@ -100,8 +108,15 @@ def graph_device(analysis: Analysis) -> str:
 
 
 def compute_prefix(analysis: Analysis, roof: Roofline) -> list[float]:
-    """prefix[i] = predicted compute time of the nodes before position i."""
-    return [0.0, *itertools.accumulate(node_us(n, roof) for n in analysis.order)]
+    """prefix[i] = predicted compute time of the nodes before position i. Kept with the
+    analysis (``Analysis.memo``): every reader of one analysis gets the same list (do not
+    modify it)."""
+    key = ("prefix", roof)
+    prefix = analysis.memo.get(key)
+    if prefix is None:
+        prefix = analysis.memo[key] = [
+            0.0, *itertools.accumulate(node_us(n, roof) for n in analysis.order)]
+    return prefix
 
 
 def predict(analysis: Analysis, cost: CostModel, world: int) -> dict[str, float]:

@@ -97,19 +97,43 @@ def reorder(graph: Graph, priority: dict[Node, float] | None = None,
     """
     nodes = [n for n in graph.nodes if n.op != "output"]
     output = graph.output_node()
-    succ, indeg = _edges(nodes, barriers)
-    if issue_keys is None:
-        collectives = [n for n in nodes if is_collective(n)]
-    else:
-        collectives = issue_order(nodes, succ, indeg, issue_keys)
-    for a, b in itertools.pairwise(collectives):
-        succ[a].append(b)
-        indeg[b] += 1
     pos = {n: i for i, n in enumerate(nodes)}
     prio = dict(priority or {})
     for i, n in enumerate(nodes):  # placeholders stay first, in their order
         if n.op == "placeholder":
             prio[n] = -1e18 + i
-    for n in _kahn(nodes, succ, indeg, lambda n: prio.get(n, pos[n])):
+    key = lambda n: prio.get(n, pos[n])  # noqa: E731
+    current = [n for n in nodes if is_collective(n)]
+    if issue_keys is None and _sorted(nodes, pos, key):
+        return current  # what Kahn's algorithm below makes of it: the order it has
+    succ, indeg = _edges(nodes, barriers)
+    if issue_keys is None:
+        collectives = current
+    else:
+        collectives = issue_order(nodes, succ, indeg, issue_keys)
+        if collectives == current and _sorted(nodes, pos, key):
+            return collectives
+    for a, b in itertools.pairwise(collectives):
+        succ[a].append(b)
+        indeg[b] += 1
+    for n in _kahn(nodes, succ, indeg, key):
         output.prepend(n)
     return collectives
+
+
+def _sorted(nodes: list[Node], pos: dict[Node, int], key) -> bool:
+    """Does every node come after its inputs, and do the keys never decrease along
+    ``nodes``? Then :func:`_kahn` emits ``nodes`` as they are, when the collectives keep
+    their order too: every node is ready once the nodes before it are (barriers and the
+    collective chain follow the current order), and among the nodes not yet emitted it has
+    the smallest (key, position)."""
+    last = None
+    for i, n in enumerate(nodes):
+        k = key(n)
+        if last is not None and k < last:
+            return False
+        last = k
+        for j in n.all_input_nodes:
+            if pos[j] >= i:
+                return False
+    return True

@@ -14,11 +14,14 @@ from pathlib import Path
 
 import torch.distributed as dist
 from torch._logging import trace_structured
-from torch.fx import Graph, GraphModule
+from torch.fx import Graph, GraphModule, Node
+from torch.fx.immutable_collections import immutable_dict
+from torch.fx.node import map_arg
 from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
 
-from .analysis import analyze
+from .analysis import analysis_cache, analyze, graph_state, remapped, remember, same_state
 from .config import Config
+from .cost import Roofline, carry_estimates, compute_prefix, graph_device
 from .collectives import group_setup, is_collective
 from .meta import ORIGIN, REPLACES, is_torch_file, user_frame
 from .report import Report, build_report, collective_modules, record
@@ -32,18 +35,57 @@ def next_graph_name() -> str:
     return f"graph {next(_graph_ids)}"
 
 
-def copy_graph_module(gm: GraphModule) -> GraphModule:
+def copy_graph_module(gm: GraphModule, nodes: dict | None = None) -> GraphModule:
     """A new GraphModule over a node-for-node copy of ``gm.graph`` (meta shared shallowly).
+    ``nodes``, if given, is filled with each original node's copy (the output's included).
 
     Lazy: its Python code is generated only if someone reads or runs it (Inductor lowers
     the graph itself), which on a 10k-node graph saves most of the pipeline's time.
     """
     graph = Graph()
-    out = graph.graph_copy(gm.graph, {})
+    nodes = {} if nodes is None else nodes
+    if _FAST_COPY:
+        out = _graph_copy(gm.graph, graph, nodes)
+    else:
+        out = graph.graph_copy(gm.graph, nodes)
     # Inductor keeps facts on the output node (user-visible outputs and their strides)
-    graph.output(out).meta = copy.copy(gm.graph.output_node().meta)
+    old_output = gm.graph.output_node()
+    new_output = graph.output(out)
+    new_output.meta = copy.copy(old_output.meta)
+    nodes[old_output] = new_output
     with _use_lazy_graph_module(True):
         return _make_graph_module(gm, graph)
+
+
+_FAST_COPY = all(hasattr(Graph(), a) for a in ("_graph_namespace", "_insert",
+                                                 "_find_nodes_lookup_table", "_len"))
+
+
+def _graph_copy(src: Graph, dst: Graph, nodes: dict[Node, Node]):
+    """``dst.graph_copy(src, nodes)`` for a new ``dst`` (no owning module, so no node hooks),
+    each node made as ``Graph.create_node`` makes it but without its scan of the arguments
+    for raw SymInts (a pytree walk per node, half the copy's time): the arguments are
+    ``src``'s, which passed it when they were made."""
+    if dst.owning_module is not None or len(dst.nodes):
+        return dst.graph_copy(src, nodes)
+    namespace, table = dst._graph_namespace, dst._find_nodes_lookup_table
+    copy_of = nodes.__getitem__
+    for node in src.nodes:
+        if node in nodes:
+            continue
+        if node.op == "output":
+            return map_arg(node.args[0], copy_of)
+        args = map_arg(node.args, copy_of) if node.args else ()
+        kwargs = map_arg(node.kwargs, copy_of) if node.kwargs else immutable_dict()
+        name = namespace.create_name(node.name, None)
+        new = Node(dst, name, node.op, node.target, args, kwargs, node.type)
+        namespace.associate_name_with_obj(name, new)
+        dst._insert(new)
+        table.insert(new)
+        dst._len += 1
+        new.meta = copy.copy(node.meta)
+        nodes[node] = new
+    return None
 
 
 @contextlib.contextmanager
@@ -66,7 +108,7 @@ def run_pipeline(gm: GraphModule, cfg: Config, *, name: str | None = None, recor
     ``record=False``: the caller records the report (``report.record``) if it keeps the graph;
     ``emit=False``: nor are the trace artifacts and the dump written (the caller emits them
     for the graph it keeps: :func:`emit_graph`)."""
-    with _gc_paused():
+    with _gc_paused(), analysis_cache():
         return _run_pipeline(gm, cfg, name=name, record_report=record, emit=emit)
 
 
@@ -88,15 +130,23 @@ def _run_pipeline(gm: GraphModule, cfg: Config, *, name: str | None, record_repo
     before = analyze(gm)
     cfg.cost.check_setup(*group_setup(before.scan))  # a profile for another setup: raise
     analysis_ms = (time.perf_counter() - t0) * 1e3
-    work = copy_graph_module(gm)
+    # the compute estimates of the report's prediction, made now to be carried to the copy
+    compute_prefix(before, Roofline.of(cfg.cost, graph_device(before)))
+    copies: dict = {}
+    work = copy_graph_module(gm, copies)
+    carry_estimates(copies)
+    remember(work.graph, remapped(before, copies))  # the first pass's analysis, read across
+    del copies
     modules = collective_modules(before) if cfg.dump_dir and cfg.dump_passes else {}
     for i, n in enumerate(n for n in work.graph.nodes if is_collective(n)):
         n.meta[ORIGIN] = f"#{i}"  # the program's own place: what ranks compare (meta.ORIGIN)
     timings, buckets, decisions, warnings = [], [], [], []
     fell_back, pass_name = False, None
+    linted: list = []  # the graph's state when it last passed lint
     try:
         for pass_name in cfg.enabled_passes:
-            result = _run_pass(pass_name, PASSES[pass_name], work, cfg, name, timings, modules)
+            result = _run_pass(pass_name, PASSES[pass_name], work, cfg, name, timings, modules,
+                               linted)
             buckets += [asdict(b) for b in result.buckets]
             decisions += [{"pass": pass_name, **d} for d in result.decisions]
             warnings += [f"{pass_name}: {w}" for w in result.warnings]
@@ -122,14 +172,18 @@ def _run_pipeline(gm: GraphModule, cfg: Config, *, name: str | None, record_repo
 
 
 def _run_pass(pass_name: str, fn, work: GraphModule, cfg: Config, graph_name: str,
-              timings: list[dict], modules: dict[str, str]):
+              timings: list[dict], modules: dict[str, str], linted: list):
     """One pass, the way every pass runs: timed, the graph linted after it (a pass that
-    breaks the graph is named, not the one after it), and with ``cfg.dump_passes`` its graph
+    breaks the graph is named, not the one after it; a graph left as it was when it last
+    passed lint, ``linted``, is not linted again), and with ``cfg.dump_passes`` its graph
     written as ``after_<pass>.txt`` beside the graph's dump (``modules``: the module path of
     each original collective, for the notes)."""
     t = time.perf_counter()
     result = fn(work, cfg=cfg)
-    work.graph.lint()
+    state = graph_state(work.graph)
+    if not (linted and same_state(linted[0], state)):
+        work.graph.lint()
+        linted[:] = [state]
     timings.append({"name": pass_name, "ms": round((time.perf_counter() - t) * 1e3, 3),
                     "changed": result.changed})
     if cfg.dump_dir and cfg.dump_passes and result.changed:

@@ -46,6 +46,8 @@ class Decider:
     world: int
     backend: str | None
     prefix: list[float]
+    """``cost.compute_prefix`` of the analysis, made here, before any rewrite reads it (kept
+    with the analysis: a decider over an analysis reused for an unchanged graph shares it)."""
     impls: tuple[str, ...]
 
     @classmethod
