@@ -202,3 +202,48 @@ def test_learn_keeps_what_the_decoding_realized(tmp_path, monkeypatch):
     assert cached["compiled_factor"] == 2.0
     assert tc.choose(0.1, tc.corrected(cached), cached["accepted"]).shape is None
     assert tc.learn({"source": "forced"}, (1, 1, 2), 0.5) is None
+
+
+def _two_ranks_worker(rank: int, world: int, cache: str) -> list:
+    """decide then confirm, twice (measured, then from rank 0's cache): every collective of
+    the timing pairs across the ranks, and both follow rank 0's tree."""
+    import os
+
+    import torch.distributed as dist
+
+    from fxcoalesce.models import eagle3 as e3
+    from fxcoalesce.models import eagle3_static as es
+    from fxcoalesce.models import llama
+
+    os.environ["FXCOALESCE_CACHE"] = cache
+    torch.set_num_threads(1)
+    target = llama.build(llama.TINY)
+    draft = e3.build_draft(e3.DraftArgs.for_target(target.args), seed=1)
+    llama.apply_tp(target, dist.group.WORLD)
+    room, draft_room = tc.room_for_candidates()
+    target.setup_cache(1, 64 + room)
+    draft.setup_cache(64 + room + draft_room)
+    seen = []
+    for _ in range(2):
+        choice, record = tc.decide("spec", target=target, draft=draft, tok=None, head=HEAD,
+                                   prompt=list(range(3, 20)), group=dist.group.WORLD,
+                                   dev=torch.device("cpu"), dtype=torch.float32)
+        after = tc.confirm(choice, record, target=target, draft=draft,
+                           prompt=list(range(3, 20)), group=dist.group.WORLD,
+                           dev=torch.device("cpu"), greedy_fn=es.decode_step,
+                           step_fn=es.spec_step, capture=False, spec=choice.spec)
+        seen.append((record.get("source"), choice.shape, after.shape))
+    return seen
+
+
+@pytest.mark.slow  # 22 s on 2 shared cores
+def test_two_ranks_decide_and_confirm_together(tmp_path):
+    """On 2 gloo ranks: the second decision comes from rank 0's cache, where rank 1 holds no
+    record; its confirmation still times on both ranks (it hung when rank 1 skipped it)."""
+    from fxcoalesce.apps.launch import spawn
+
+    ranks = spawn(_two_ranks_worker, 2, (str(tmp_path),), backend="gloo", timeout=300)
+    r0, r1 = ranks
+    assert [s for s, _, _ in r0] == ["measured", "cached"]
+    assert [s[1:] for s in r0] == [s[1:] for s in r1]  # rank 0's trees on both
+    assert all(shape is not None for _, shape, _ in r0)  # --tree spec: a tree

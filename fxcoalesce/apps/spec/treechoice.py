@@ -452,12 +452,16 @@ def confirm(choice: Choice, record: dict, *, target, draft, prompt: list[int], g
     decoding is compared with (``greedy_fn``), after its compile: if it no longer beats
     greedy, greedy (rank 0's answer, broadcast). The factor it found is kept in the cached
     decision, so the next run chooses with it."""
-    if choice.shape is None or record.get("source") == "forced" or "step_s" not in record:
+    rank = dist.get_rank(group) if group is not None else 0
+    # rank 0's record says whether there is a prediction to confirm (the others' records of
+    # a cached decision are empty): one answer for all, or the ranks' timings would not pair
+    go = int(rank == 0 and choice.shape is not None and record.get("source") != "forced"
+             and "step_s" in record)
+    if not _broadcast([go], dev, group)[0]:
         return choice
     key = key_of(choice.shape)
     greedy_s, step_s = time_steps(target, draft, prompt, [spec or choice.shape], group=group,
                                   greedy_fn=greedy_fn, step_fn=step_fn, capture=capture)
-    rank = dist.get_rank(group) if group is not None else 0
     keep = 1
     if rank == 0:
         factor = (step_s[key] / greedy_s) / (record["step_s"][key] / record["greedy_step_s"])
