@@ -252,8 +252,8 @@ def looped(x, ws, step):
 
 def looped_partly(x, ws, step):
     """The print formats ``step``, an int Dynamo made dynamic at step 1: at the recompile
-    Dynamo compiles up to the loop and runs the rest uncompiled (a graph break it cannot
-    resume from)."""
+    torch 2.13's Dynamo compiles up to the loop and runs the rest uncompiled (a graph break
+    it cannot resume from; 2.15's skips the frame)."""
     x = torch.relu(x) + step  # read: Dynamo makes step dynamic at step 1
     for w in ws:
         x = torch.tanh(ar(x @ w) + ar(x * 2))
@@ -282,8 +282,10 @@ def test_a_skip_at_a_recompile_on_one_rank_stops_every_rank_at_once(fn):
     for steps, _ in res:  # right until rank 0 would run the frame uncompiled, then loud
         assert steps[:2] == [True, True] and len(steps) == 3, res
         assert steps[2].startswith("CollectiveMismatchError"), res
-    how = {"looped": f"Dynamo skip {fn}", "looped_partly": "cannot resume"}[fn]
-    assert how in res[0][0][2], res
+    # torch 2.13 compiles looped_partly up to the loop, 2.15 skips its frame: either is seen
+    hows = {"looped": [f"Dynamo skip {fn}"],
+            "looped_partly": ["cannot resume", f"Dynamo skip {fn}"]}[fn]
+    assert any(how in res[0][0][2] for how in hows), res
     assert "rank 1 runs it compiled" in res[0][0][2], res
     # rank 1 stopped on its tag check at once (what rank 0 sent it), not on gloo's timeout
     assert "a peer issued another collective" in res[1][0][2], res
