@@ -277,8 +277,8 @@ def spec_worker(rank: int, world: int, opt: SpecOptions) -> dict:
               "head": head_config.get("training", {}),
               "tree": ({"top_k": spec.top_k, "depth": spec.depth,
                         "total_tokens": spec.total_tokens} if spec else None),
-              "tree_choice": ({"label": choice.label(), "reason": choice.reason,
-                               "greedy_chosen": greedy_chosen, **tree_record}
+              "tree_choice": ({**tree_record, "label": choice.label(),
+                               "reason": choice.reason, "greedy_chosen": greedy_chosen}
                               if choice else None),
               "settings": {k: v for k, v in asdict(opt).items() if k not in ("prompts", "gguf")},
               "torch": torch.__version__, "results": []}
