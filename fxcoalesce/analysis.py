@@ -112,21 +112,21 @@ def analysis_cache():
         _CACHE.reset(token)
 
 
-def graph_state(graph: torch.fx.Graph) -> list:
+def graph_state(graph: torch.fx.Graph) -> tuple[list, list[int]]:
     """What :func:`analyze` reads of ``graph``, by identity: every node in order with its op,
-    target, args, kwargs (FX makes a new tuple and dict on every update) and fake value.
-    Holding the objects keeps their identities unique, so comparing them (``same_state``)
-    is exact. Users follow from the args of all nodes."""
-    state = []
+    target, args, kwargs (FX makes a new tuple and dict on every update) and fake value;
+    with their ids. The state holds the objects, so that no id of theirs is reused while it
+    lives: comparing the ids of two states (``same_state``) compares the objects."""
+    objects = []
     for n in graph.nodes:
         meta = n.meta
-        state += (n, n.op, n.target, n._args, n._kwargs,
-                  meta["val"] if "val" in meta else meta.get("example_value"))
-    return state
+        objects += (n, n.op, n.target, n._args, n._kwargs,
+                    meta["val"] if "val" in meta else meta.get("example_value"))
+    return objects, list(map(id, objects))
 
 
-def same_state(a: list, b: list) -> bool:
-    return len(a) == len(b) and all(map(operator.is_, a, b))
+def same_state(a: tuple[list, list[int]], b: tuple[list, list[int]]) -> bool:
+    return a[1] == b[1]
 
 
 def remember(graph: torch.fx.Graph, analysis: Analysis) -> None:

@@ -361,6 +361,29 @@ def _is_root(node: Node, gm=None) -> bool:
     return _children(user, gm) is None or _dtype(user) != _dtype(node)
 
 
+def _reached(members: dict[Node, Member]) -> dict[Node, int]:
+    """For each node, how many chain ends in ``members`` may be leaves of its tree (at least
+    as many as :func:`expand` finds; a root below two is left out: it can sum nothing).
+
+    A leaf's path up to its root runs through one of its users, then through nodes of one
+    user each: the tree's internal nodes (:func:`expand` expands a node other than the root
+    only when it has one user) and the nodes that stack a stack's terms (``_stacked``: each
+    read by one node). So every root of a tree with that leaf is on the one-user chain from
+    one of the leaf's users. Rewrites during a round only take leaves from later trees (a
+    replaced root's value is no chain end, and is a leaf wherever the root was)."""
+    reach: dict[Node, int] = {}
+    for end in members:
+        seen: set[Node] = set()
+        for node in end.users:
+            while node not in seen:
+                seen.add(node)
+                reach[node] = reach.get(node, 0) + 1
+                if len(node.users) != 1:
+                    break
+                (node,) = node.users
+    return reach
+
+
 def _reducible(m: Member, tree_dtype, keep, *, alone: bool = False) -> bool:
     """May ``m`` be moved past its chain (``alone``: its end is replaced, whatever reads it),
     or into a sum (its end read by the tree alone)? ``keep`` (``tag.pinned``): only through a
@@ -556,7 +579,8 @@ def _linearity_round(gm: GraphModule, cfg: Config) -> PassResult:
                        {n: float(i) for i, n in enumerate(analysis.scan.sequence)}, info_of,
                        fake_mode_of(analysis.order))
     done: set[Node] = set()  # chain ends rewritten
-    for root in [n for n in gm.graph.nodes if _is_root(n, gm)]:
+    reach = _reached(members)
+    for root in [n for n in gm.graph.nodes if reach.get(n, 0) > 1 and _is_root(n, gm)]:
         if root in rewrite.erased or tensor_val(root) is None or not _dense(tensor_val(root)):
             continue
         internal, leaves = expand(root, members, gm)
