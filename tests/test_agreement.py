@@ -85,8 +85,10 @@ def _print_run(rank, world, route, check):
     return {**summary(got, want), "s": time.monotonic() - t0}
 
 
-@pytest.mark.parametrize("route,check", [("eager", False), ("eager", True),
-                                         ("inductor", False), ("inductor_pass", False)])
+@pytest.mark.parametrize("route,check", [  # Inductor on 2 ranks: 50-90 s each, slow (the
+    ("eager", False), ("eager", True),     # default run has test_job_life's Inductor cases)
+    pytest.param("inductor", False, marks=pytest.mark.slow),
+    pytest.param("inductor_pass", False, marks=pytest.mark.slow)])
 def test_a_print_on_one_rank_runs_like_plain(route, check):
     res = spawn(_print_run, 2, (route, check), backend="gloo", timeout=300,
                 group_timeout_s=GROUP_TIMEOUT_S)
@@ -159,6 +161,15 @@ def test_a_late_rank_still_gets_the_rewrite():
     assert all(r["equal"] for r in res)
     assert [r["after"] for r in res] == [[2], [2]]
     assert res[0]["agreement"][0]["how"] == "agreed"
+
+
+@pytest.mark.slow
+def test_a_late_rank_is_waited_for():
+    """The premise of the test above, a wall time (slow run only: a loaded machine stretches
+    the ranks' compiles, and rank 0's can outlast rank 1's 6 s sleep): rank 0 waited."""
+    res = spawn(_late_run, 2, (6.0, False), backend="gloo", timeout=300,
+                group_timeout_s=GROUP_TIMEOUT_S)
+    assert [r["after"] for r in res] == [[2], [2]]
     assert res[0]["agreement"][0]["waited_s"] > 4  # it waited for rank 1, then merged
 
 
@@ -171,8 +182,9 @@ def test_a_peer_that_never_compiles_ends_the_wait_in_program_order():
                 group_timeout_s=GROUP_TIMEOUT_S)
     assert all(r["equal"] for r in res)
     [agreement] = res[0]["agreement"]
+    # the wait ended on rank 1's heartbeat, not on agree_timeout_s ("timed out"); how, not
+    # a wall time, which a loaded machine stretches
     assert agreement["how"] == "runs uncompiled", agreement
-    assert agreement["waited_s"] < GROUP_TIMEOUT_S / 2, agreement
     assert res[0]["after"] == [3]  # the program's own order pairs with the eager peer
 
 
@@ -219,7 +231,7 @@ def _crossed_run(rank, world, check):
     return summary(got, want)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_ranks_agree_on_one_interleaving_across_groups(world):
     res = spawn(_crossed_run, world, (False,), backend="gloo", timeout=400,
                 group_timeout_s=GROUP_TIMEOUT_S)
@@ -259,7 +271,7 @@ def _dynamic_run(rank, world, check):
     return summary(got, want)
 
 
-@pytest.mark.parametrize("check", [False, True])
+@pytest.mark.parametrize("check", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_sizes_named_differently_by_rank_still_agree(check):
     res = spawn(_dynamic_run, 2, (check,), backend="gloo", timeout=300,
                 group_timeout_s=GROUP_TIMEOUT_S)
@@ -307,7 +319,8 @@ def _twoways_run(rank, world, order):
             "how": [r.agreement.get("how") for r in fxcoalesce.reports()]}
 
 
-@pytest.mark.parametrize("order", [(False, True), (True, False)])
+@pytest.mark.parametrize("order", [(False, True),
+                                   pytest.param((True, False), marks=pytest.mark.slow)])
 def test_two_graphs_of_one_function_with_alike_collectives_each_agree(order):
     res = spawn(_twoways_run, 2, (order,), backend="gloo", timeout=300,
                 group_timeout_s=GROUP_TIMEOUT_S)

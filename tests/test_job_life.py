@@ -11,7 +11,6 @@ import datetime
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -93,22 +92,23 @@ def _logging_run(rank, world, which, codegen, check):
     f = torch.compile(fn, backend=backend(codegen=codegen, check_ranks=check))
     return {"steps": steps(f, fn, x, y, 4),
             "how": [r.agreement.get("how") for r in fxcoalesce.reports()],
-            "waited": max(r.agreement.get("waited_s", 0.0) for r in fxcoalesce.reports()),
             "verdict": fxcoalesce.reports()[0].verdict}
 
 
-@pytest.mark.parametrize("which,codegen,check", [("sum", "eager", False),
-                                                 ("sum", "eager", True),
-                                                 ("bucket", "eager", False),
-                                                 ("sum", "inductor", False)])
+@pytest.mark.parametrize("which,codegen,check", [  # one in the default run (the program
+    pytest.param("sum", "eager", False, marks=pytest.mark.slow),  # of test_rank_safety's
+    ("sum", "eager", True),                                       # "logging" case, checked)
+    pytest.param("bucket", "eager", False, marks=pytest.mark.slow),
+    pytest.param("sum", "inductor", False, marks=pytest.mark.slow)])
 def test_logging_on_rank0_every_n_steps_is_right_at_every_step(which, codegen, check):
     res = spawn(_logging_run, 2, (which, codegen, check), backend="gloo", timeout=400,
                 group_timeout_s=GROUP_TIMEOUT_S)
     # plain torch.compile is right at every step, and so is fxcoalesce on every rank ...
     assert all(r["steps"] == [True] * 4 for r in res), res
     # no graph waits for a peer that never compiles it (with check_ranks too: rank 0's later
-    # graphs, compiled inside a call of the function it recompiles alone, are not waited for)
-    assert all(r["waited"] < 10 for r in res), res
+    # graphs, compiled inside a call of the function it recompiles alone, are not waited for):
+    # no wait ran out (how it ended, not a wall time, which a loaded machine stretches)
+    assert all("timed out" not in r["how"] for r in res), res
     # ... because rank 0's graph is specialized on the step and rank 1's is not: the ranks
     # keep the program's order from the first compile, and the report says why
     if which == "bucket":  # a graph's first all_reduce carries the run-time check: no
@@ -157,8 +157,9 @@ def _recut_run(rank, world, codegen, size_differs):
             "checks": [r.agreement.get("checks") for r in fxcoalesce.reports()]}
 
 
-@pytest.mark.parametrize("codegen,size_differs", [("eager", False), ("eager", True),
-                                                  ("inductor", False)])
+@pytest.mark.parametrize("codegen,size_differs", [
+    ("eager", False), pytest.param("eager", True, marks=pytest.mark.slow),
+    pytest.param("inductor", False, marks=pytest.mark.slow)])
 def test_a_rank_that_re_cuts_an_agreed_graph_alone_raises_on_every_rank(codegen, size_differs):
     res = spawn(_recut_run, 2, (codegen, size_differs), backend="gloo", timeout=400,
                 group_timeout_s=GROUP_TIMEOUT_S)
@@ -199,13 +200,12 @@ def _regroup_run(rank, world, path, codegen):
                                 timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
         assert dist.new_group([0, 1]).group_name == GROUP["name"]  # the same name again
         GROUP["log"] = True  # rank 1 now cuts its graph at the print: it alone recompiles
-        t0 = time.monotonic()
         out.append(close(waited(f(x, y)), waited(on_named_group(x, y))))
-        out.append(time.monotonic() - t0)
+    out.append([r.agreement.get("how") for r in fxcoalesce.reports()])
     return out
 
 
-@pytest.mark.parametrize("codegen", ["eager", "inductor"])
+@pytest.mark.parametrize("codegen", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_a_process_group_made_anew_agrees_again(codegen, tmp_path):
     res = spawn(_regroup_run, 2, (str(tmp_path / "store"), codegen), backend="gloo",
                 timeout=400, group_timeout_s=GROUP_TIMEOUT_S)
@@ -213,7 +213,9 @@ def test_a_process_group_made_anew_agrees_again(codegen, tmp_path):
     # the print: rank 0's wrapper sees the new group, agrees again in its store, and both
     # run the program's own order: right values, at once
     assert all(r[0] and r[1] for r in res), res
-    assert all(r[2] < 20 for r in res), res
+    # ... no wait ran out (how each wait ended, not a wall time, which a loaded machine
+    # stretches)
+    assert all("timed out" not in r[2] for r in res), res
 
 
 # --- 4. a peer that dies before its first compiled call ---
@@ -259,7 +261,7 @@ except Exception as e:
     return kind, float(seconds), err
 
 
-@pytest.mark.parametrize("death", ["raise", "kill"])
+@pytest.mark.parametrize("death", [pytest.param("raise", marks=pytest.mark.slow), "kill"])
 def test_a_dead_peer_ends_the_wait_as_soon_as_plain_would(tmp_path, death):
     plain_kind, _, _ = _dying_script(tmp_path, death, plain=True)
     kind, _, err = _dying_script(tmp_path, death, plain=False)
@@ -296,7 +298,7 @@ def _pairs_run(rank, world, reorder):
             "verdicts": [r.verdict for r in reps], "warnings": [r.warnings for r in reps]}
 
 
-@pytest.mark.parametrize("reorder", [False, True])
+@pytest.mark.parametrize("reorder", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_logging_on_rank0_between_pairs_says_why_and_what_keeps_the_merge(reorder):
     res = spawn(_pairs_run, 2, (reorder,), backend="gloo", timeout=400,
                 group_timeout_s=GROUP_TIMEOUT_S)
