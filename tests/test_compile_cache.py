@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from torch.testing import FileCheck
 from test_rank_order import _inputs, const_after_wait, eager
@@ -54,10 +55,19 @@ def launches(n: int, code: str) -> None:
     FileCheck().check_count("torch.ops._c10d_functional.all_reduce", n, exactly=True).run(code)
 
 
-def test_warm_compile_is_served_from_the_cache_and_reports(tmp_path):
-    cache = tmp_path / "inductor"
-    cold = compile_in_process("fxcoalesce", cache)
-    warm = compile_in_process("fxcoalesce", cache)
+@pytest.fixture(scope="module")
+def cold_and_warm(tmp_path_factory):
+    """One cold compile, then one warm, each traced (TORCH_TRACE): the two tests below read
+    them (each compile is a process of its own: 20-60 s on a loaded machine)."""
+    tmp = tmp_path_factory.mktemp("cache")
+    cache = tmp / "inductor"
+    cold = compile_in_process("fxcoalesce", cache, trace=tmp / "cold")
+    warm = compile_in_process("fxcoalesce", cache, trace=tmp / "warm")
+    return tmp, cache, cold, warm
+
+
+def test_warm_compile_is_served_from_the_cache_and_reports(cold_and_warm):
+    _, cache, cold, warm = cold_and_warm
     # cold: the passes ran (a max, then two independent sums -> one); warm: AOTAutograd's cache
     # answered, and the report saved beside it says what was done
     assert cold["reports"] == [{"cache": "", "after": 2}]
@@ -78,11 +88,9 @@ def test_warm_compile_is_served_from_the_cache_and_reports(tmp_path):
     assert len(list((cache / "fxcoalesce").glob("*.json"))) == 1
 
 
-def test_a_warm_start_trace_still_shows_the_report(tmp_path):
+def test_a_warm_start_trace_still_shows_the_report(cold_and_warm):
     """On a cache hit AOTAutograd skips the passes; the trace gets the saved report."""
-    cache = tmp_path / "inductor"
-    compile_in_process("fxcoalesce", cache, trace=tmp_path / "cold")
-    warm = compile_in_process("fxcoalesce", cache, trace=tmp_path / "warm")
+    tmp_path, _, _, warm = cold_and_warm
     assert warm["reports"] == [{"cache": "hit", "after": 2}]
     logs = "".join(p.read_text() for p in (tmp_path / "warm").glob("*.log"))
     assert '"name": "fxcoalesce_report"' in logs
@@ -101,6 +109,7 @@ def _cached_rank(rank, world, dirs):
             "reports": [(r.cache, r.agreement["step"]) for r in fxcoalesce.reports()]}
 
 
+@pytest.mark.slow  # Inductor on 2 ranks, twice: 3 min on a loaded 2-core machine
 def test_a_rank_served_from_the_cache_still_agrees_with_one_that_compiles(tmp_path):
     dirs = [str(tmp_path / "rank0"), str(tmp_path / "rank1")]
     cold = spawn(_cached_rank, 2, (dirs,), backend="gloo", timeout=300)

@@ -146,6 +146,7 @@ def test_room_checks():
         es.speculative_generate_static(target, draft, PROMPT, 10, spec=SPEC)
 
 
+@pytest.mark.slow  # two Inductor compiles (mode="reduce-overhead"): 1.5-7 min on 2 cores
 def test_compiled_steps_are_cuda_graph_ready(monkeypatch):
     """What would make Inductor skip CUDA graphs for the steps, checked on CPU (where the CPU
     device itself is the reason given): an op CUDA graphs cannot hold, or an input mutated

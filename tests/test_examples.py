@@ -53,7 +53,8 @@ def readme_example_output(marker: str = "<!-- example output") -> list[str]:
 HF_EXAMPLE = ROOT / "examples" / "hf_generate.py"
 
 
-def test_hf_generate_example():
+@pytest.mark.slow  # 2-4 min on 2 loaded cores; tests/test_hf_tp.py runs transformers' TP on
+def test_hf_generate_example():  # 2 gloo ranks through fxcoalesce in the default run
     """transformers' generate() on 2 gloo ranks, model.forward compiled by fxcoalesce: the
     tokens equal eager's and plain torch.compile's on every rank (the example exits 1
     otherwise), each graph's parallel blocks summed, and the README shows this output."""

@@ -130,14 +130,15 @@ def check(name, results, exact: bool):
     assert all(r["sequence"] == results[0]["sequence"] for r in results)
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("name", CASES)
 def test_rank_dependent_graphs_eager_codegen(name, world):
     res = spawn(_run_case, world, (name, "eager"), backend="gloo", timeout=300)
     check(name, res, exact=world == 2)
 
 
-@pytest.mark.parametrize("name", ["two_buckets_swap", "rank_branch"])
+@pytest.mark.parametrize("name", [
+    pytest.param("two_buckets_swap", marks=pytest.mark.slow), "rank_branch"])
 def test_rank_dependent_graphs_inductor(name):
     res = spawn(_run_case, 2, (name, "inductor"), backend="gloo", timeout=300)
     check(name, res, exact=False)  # Inductor may fuse the bias add differently from eager
@@ -180,7 +181,8 @@ def test_check_ranks_names_the_first_difference():
         assert "rank 1 issues all_reduce(sum, 0) -> float32[256]" in r["error"]
 
 
-@pytest.mark.parametrize("name", ["sum_bias_then_max", "rank_branch"])
+@pytest.mark.parametrize("name", [
+    pytest.param("sum_bias_then_max", marks=pytest.mark.slow), "rank_branch"])
 def test_check_ranks_passes_rank_dependent_compute(name):
     res = spawn(_checked_run, 3, (name, True), backend="gloo", timeout=300)
     for r in res:  # turned on by FXCOALESCE_CHECK_RANKS=1: same sequences, right values
@@ -326,9 +328,10 @@ def _route_run(rank, world, name, route):
             "after": report.all_reduce["after"]}
 
 
-@pytest.mark.parametrize("route", ROUTES)
-@pytest.mark.parametrize("name", list(AGREED_STEP))
-def test_ranks_fall_back_together(name, route):
+@pytest.mark.parametrize("name,route", [  # every route once, the second program on the
+    pytest.param(name, route, marks=pytest.mark.slow if name == "dependency_by_rank" and route
+                 != "backend" else ()) for name in AGREED_STEP for route in ROUTES])
+def test_ranks_fall_back_together(name, route):  # backend only in the default run
     res = spawn(_route_run, 2, (name, route), backend="gloo", timeout=300)
     for r in res:
         # the ranks compared, saw the difference, and took the same fallback step (a rank

@@ -291,7 +291,8 @@ def test_a_skip_at_a_recompile_on_one_rank_stops_every_rank_at_once(fn):
     assert "a peer issued another collective" in res[1][0][2], res
 
 
-@pytest.mark.parametrize("fn", ["looped", "looped_partly"])
+@pytest.mark.parametrize("fn", [pytest.param("looped", marks=pytest.mark.slow),
+                                "looped_partly"])
 def test_a_skip_at_a_recompile_on_every_rank_runs_right(fn):
     res = spawn(_skip_run, 2, ("all", fn), backend="gloo", timeout=400,
                 group_timeout_s=GROUP_TIMEOUT_S)

@@ -36,7 +36,7 @@ def collective_order(gm):
             if "_c10d_functional" in str(n.target) and "wait" not in str(n.target)]
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_pass_preserves_outputs(world):
     res = spawn(_compare, world, ("neox-tiny", "eager"), backend="gloo")
     for r in res:
@@ -106,7 +106,8 @@ def _against_eager(rank, world, options, inductor_options=None):
     return float((got - want).abs().max())
 
 
-@pytest.mark.parametrize("options", [{}, {"reassociate": False}])
+@pytest.mark.parametrize("options", [{}, pytest.param({"reassociate": False},
+                                                     marks=pytest.mark.slow)])
 def test_compiled_verify_matches_eager(options):
     """Regression: the backend once turned on Inductor's sink_waits/raise_comms passes; the
     logits were off by ~2 (the KV cache writes ran out of order), and fxcoalesce, compared
@@ -115,7 +116,8 @@ def test_compiled_verify_matches_eager(options):
         assert err < 1e-4
 
 
-@pytest.mark.parametrize("passes", [["raise_comms"], ["sink_waits"]])
+@pytest.mark.parametrize("passes", [["raise_comms"],
+                                    pytest.param(["sink_waits"], marks=pytest.mark.slow)])
 def test_inductor_comm_reorder_passes_by_torch_version(passes):
     """Canary of an upstream bug: Inductor's raise_comms and sink_waits scheduler passes
     mis-ordered KV-cache writes before torch 2.14 (logits off by ~2), and are right since.
