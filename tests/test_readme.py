@@ -50,7 +50,7 @@ ELSEWHERE = {  # run in full by another test or script; here their options are p
     "fxcoalesce calibrate --tp 2 --out profile.json": "by hand (53 s on 2 cores, 2026-12-01)",
     "fxcoalesce demo": ".ci/run",
     ".venv/bin/torchrun --standalone --nproc-per-node 2 examples/hf_generate.py":
-        "tests/test_examples.py",
+        "tests/test_examples.py (slow)",
     "fxcoalesce inspect --hf cohere --tp 8": "tests/test_inspect_doors.py (slow)",
     "fxcoalesce inspect --hf deepseek_v3 --tp 8": "tests/test_inspect_doors.py (slow)",
     "fxcoalesce inspect --model my_model.py:make --tp 8":
