@@ -88,22 +88,57 @@ NEEDS_NO_CUDA = [
 ]
 
 
+WAYS = ("in-process", "subprocess")
+"""How a refusal is run: ``cli.main`` in this process (no rank may start; milliseconds), or
+``python -m fxcoalesce.apps.cli`` (its one stderr line is all the process prints; 5-15 s on a
+loaded 2-core machine, so only each family's first case runs this way by default, the others
+with ``-m slow``)."""
+
+
+def both_ways(cases: list) -> list:
+    """Each case in process and as a process (the first case's process in the default run)."""
+    out = []
+    for i, case in enumerate(cases):
+        values, marks = (case.values, list(case.marks)) if hasattr(case, "values") else (case, [])
+        out.append(pytest.param(WAYS[0], *values, marks=marks))
+        out.append(pytest.param(WAYS[1], *values,
+                                marks=marks + ([pytest.mark.slow] if i else [])))
+    return out
+
+
+def way_id(v) -> str:
+    return " ".join(v) if isinstance(v, list) else (v if v in WAYS else "")
+
+
+def refuse(way: str, monkeypatch, capsys, *args: str) -> subprocess.CompletedProcess:
+    """The command's exit status and output, run ``way``."""
+    if way == "subprocess":
+        return run_cli(*args)
+    monkeypatch.setattr(launch, "spawn", lambda *a, **k: pytest.fail("a rank was started"))
+    try:
+        rc = cli.main(list(args))
+    except SystemExit as e:  # argparse's own refusals
+        rc = e.code
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(list(args), rc, out.out, out.err)
+
+
 def assert_refused(proc: subprocess.CompletedProcess, cmd: str, message: str) -> None:
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.splitlines() == [f"fxcoalesce {cmd}: error: {message}"]
     assert proc.stdout == ""  # no table, no "starting N ranks", no trace output
 
 
-@pytest.mark.parametrize("args, message", BAD_INPUT + [
+@pytest.mark.parametrize("way, args, message", both_ways(BAD_INPUT + [
     pytest.param(*case, marks=pytest.mark.skipif(not NO_CUDA, reason="CUDA is available"))
-    for case in NEEDS_NO_CUDA], ids=lambda v: " ".join(v) if isinstance(v, list) else "")
-def test_bad_input_is_one_line_and_exit_2(args, message):
-    proc = run_cli(*args)
+    for case in NEEDS_NO_CUDA]), ids=way_id)
+def test_bad_input_is_one_line_and_exit_2(monkeypatch, capsys, way, args, message):
+    proc = refuse(way, monkeypatch, capsys, *args)
     assert_refused(proc, args[0], message)  # its one line is all it printed: no rank, no trace
     assert "starting" not in proc.stderr
 
 
-@pytest.mark.parametrize("make, args, message", [
+@pytest.mark.parametrize("way, make, args, message", both_ways([
     ("file", ["inspect", "--model", "neox-tiny", "--out", "{p}"],
      "--out {p} is a file; inspect writes a directory (report.json, before.txt, after.txt)"),
     ("file", ["inspect", "--model", "neox-tiny", "--out", "{p}/sub"],
@@ -111,12 +146,13 @@ def test_bad_input_is_one_line_and_exit_2(args, message):
     ("file", ["bench", "--out", "{p}"],
      "--out {p} is a file; bench writes a directory (bench.json, bench.md, bench.png)"),
     ("file", ["demo", "--out", "{p}"], "--out {p} is a file; demo writes a directory (demo.json)"),
-])
-def test_out_in_the_way_is_refused_before_the_work(tmp_path, make, args, message):
+]), ids=way_id)
+def test_out_in_the_way_is_refused_before_the_work(monkeypatch, capsys, tmp_path, way, make,
+                                                   args, message):
     """Regression: inspect --out naming a file failed only after the whole trace."""
     p = tmp_path / "taken"
     p.write_text("") if make == "file" else p.mkdir()
-    proc = run_cli(*(a.format(p=p) for a in args))
+    proc = refuse(way, monkeypatch, capsys, *(a.format(p=p) for a in args))
     assert_refused(proc, args[0], message.format(p=p))
 
 
@@ -125,7 +161,7 @@ UNWRITABLE = "/proc/fxcoalesce-out"  # procfs takes no new entries, even from ro
 
 
 @pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
-@pytest.mark.parametrize("args, message", [
+@pytest.mark.parametrize("way, args, message", both_ways([
     (["inspect", "--model", "neox-tiny", "--tp", "4", "--out", UNWRITABLE],
      f"--out {UNWRITABLE}: cannot write into /proc (No such file or directory)"),
     (["bench", "--out", f"{UNWRITABLE}/sub"],
@@ -134,22 +170,23 @@ UNWRITABLE = "/proc/fxcoalesce-out"  # procfs takes no new entries, even from ro
      f"--out {UNWRITABLE}.json: cannot write into /proc (No such file or directory)"),
     (["train-draft", "--out", UNWRITABLE],
      f"--out {UNWRITABLE}: cannot write into /proc (No such file or directory)"),
-])
-def test_unwritable_out_is_refused_before_the_work(args, message):
+]), ids=way_id)
+def test_unwritable_out_is_refused_before_the_work(monkeypatch, capsys, way, args, message):
     """Regression: inspect printed its table, then a 35-line FileNotFoundError."""
-    assert_refused(run_cli(*args), args[0], message)
+    assert_refused(refuse(way, monkeypatch, capsys, *args), args[0], message)
 
 
-@pytest.mark.parametrize("args, message", [
+@pytest.mark.parametrize("way, args, message", both_ways([
     (["inspect", "--model", "neox-tiny", "--tp", "4"], "a directory (inspect writes "
      "report.json, before.txt, after.txt into it)"),
     (["bench"], "a directory (bench writes bench.json, bench.md, bench.png into it)"),
     (["demo"], "a directory (demo writes demo.json into it)"),
     (["calibrate"], "a file (calibrate writes one JSON file)"),
-])
-def test_empty_out_is_refused(args, message):
+]), ids=way_id)
+def test_empty_out_is_refused(monkeypatch, capsys, way, args, message):
     """Regression: ``inspect --out ""`` traced, printed its table and wrote nothing."""
-    assert_refused(run_cli(*args, "--out", ""), args[0], f"--out is empty; give {message}")
+    assert_refused(refuse(way, monkeypatch, capsys, *args, "--out", ""), args[0],
+                   f"--out is empty; give {message}")
 
 @pytest.mark.parametrize("args, gpus, message", [
     (["--backend", "nccl", "--device", "cuda", "--tp", "4"], 2,
