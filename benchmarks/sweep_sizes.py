@@ -22,20 +22,21 @@ import time
 from pathlib import Path
 
 VARIANTS = "inductor,inductor-overlap,hand-merged,fxcoalesce"
-CASES = (  # (model, step, hidden, token counts): dense parallel blocks, then MoE verify
-    ("neox-tiny", "forward", 1024, "1,16,128,512,2048"),
-    ("neox-tiny", "forward", 4096, "1,16,128"),
-    ("kimi-k2-tiny", "verify", 1024, "3,16,64"),
+CASES = (  # (model, step, hidden, token counts, layers): parallel blocks, then MoE verify
+    ("neox-tiny", "forward", 1024, "1,16,128,512,2048", 2),
+    ("neox-tiny", "forward", 4096, "1,16,128", 2),
+    ("kimi-k2-tiny", "verify", 1024, "3,16,64", 3),  # 1 dense layer, 2 MoE (3 for EAGLE-3)
 )
 """Hidden 4096 stops at 128 tokens and the MoE at 64 on 2 CPU cores (a step of 2048 tokens at
 hidden 4096 is seconds of matmuls: the sweep would take hours); a GPU run widens them."""
 
 
-def run_case(model: str, step: str, dim: int, tokens: str, args, out: Path) -> Path:
+def run_case(model: str, step: str, dim: int, tokens: str, layers: int, args, out: Path
+             ) -> Path:
     where = out / f"{model}_{step}_d{dim}"
     cli = Path(sys.executable).parent / "fxcoalesce"  # the installed command: "-m" from the
     cmd = [str(cli), "bench", "--model", model, "--step",  # checkout would miss its packages
-           step, "--dim", str(dim), "--layers", str(args.layers), "--tokens", tokens,
+           step, "--dim", str(dim), "--layers", str(layers), "--tokens", tokens,
            "--variants", args.variants, "--steps", str(args.steps), "--warmup",
            str(args.warmup), "--out", str(where)]
     print("$ fxcoalesce", " ".join(cmd[1:]), file=sys.stderr, flush=True)
@@ -162,21 +163,23 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--variants", default=VARIANTS)
-    ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--timeout", type=int, default=3600, help="seconds per bench run")
     ap.add_argument("--only", help="run only the cases of this model")
+    ap.add_argument("--dims", help="run only these hidden sizes (comma-separated)")
+    ap.add_argument("--tokens", help="these token counts instead of each case's own")
     ap.add_argument("--summarize-only", action="store_true")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     command = "python benchmarks/sweep_sizes.py " + " ".join(argv or sys.argv[1:])
     if not args.summarize_only:
-        for model, step, dim, tokens in CASES:
-            if args.only and model != args.only:
+        for model, step, dim, tokens, layers in CASES:
+            if (args.only and model != args.only) or (
+                    args.dims and str(dim) not in args.dims.split(",")):
                 continue
-            run_case(model, step, dim, tokens, args, out)
+            run_case(model, step, dim, args.tokens or tokens, layers, args, out)
     records = [rec for f in sorted(out.glob("*/bench.json")) for rec in json.loads(f.read_text())]
     table = rows(records)
     (out / "sweep.json").write_text(json.dumps(table, indent=1))
