@@ -44,6 +44,8 @@ def _args(argv):
     ap.add_argument("--no-eager", action="store_true", help="skip checking plain against eager")
     ap.add_argument("--group-timeout", type=float, default=40)
     ap.add_argument("--out", type=Path, help="directory for summary.json, summary.md, failures/")
+    ap.add_argument("--resume", type=Path, metavar="SUMMARY_JSON",
+                    help="a stopped run's summary.json: keep its results, skip its seeds")
     ap.add_argument("-v", "--verbose", action="store_true",
                     help="print each program and each run's statuses; keep the run files")
     return ap.parse_args(argv)
@@ -60,13 +62,19 @@ def _programs(args):
         print(f"seeds {base}..{base + args.n - 1} (--seed-base {base})", flush=True)
         seeds = range(base, base + args.n)
     inductor = {"auto": None, "always": True, "never": False}[args.inductor]
-    return [generate(s, args.world or default_world(s), inductor) for s in seeds]
+    done = {r["seed"] for r in args.earlier}
+    return [generate(s, args.world or default_world(s), inductor) for s in seeds
+            if s not in done]
 
 
 def commit() -> str | None:
     """The checkout's commit (with '+' when its fxcoalesce/ or passes/ has edits), if git
-    is there: what the run judged."""
+    is there, else $FXFUZZ_COMMIT (a copy of the tree without .git): what the run judged."""
+    import os
     import subprocess
+
+    if not (ROOT / ".git").exists():
+        return os.environ.get("FXFUZZ_COMMIT")
 
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
@@ -98,8 +106,9 @@ def summarize(results: list[dict], args, started: float) -> dict:
                 louds.append(item)
     import torch
 
-    return {"args": {k: str(v) for k, v in vars(args).items()}, "torch": torch.__version__,
-            "commit_start": args.commit_start, "commit_end": commit(),
+    return {"args": {k: str(v) for k, v in vars(args).items()
+                     if k not in ("earlier", "earlier_wall")},
+            "torch": torch.__version__, "commit_start": args.commit_start, "commit_end": commit(),
             "programs": len(results), "wall_s": round(time.monotonic() - started),
             "counts": {k: dict(v) for k, v in counts.items()},
             "by_feature": {k: dict(v) for k, v in sorted(by_feature.items())},
@@ -127,10 +136,18 @@ def markdown(s: dict) -> str:
 def main(argv=None) -> int:
     args = _args(argv)
     args.commit_start = commit()
+    args.earlier, args.earlier_wall = [], 0
+    if args.resume:  # a run split over several sittings: one summary at the end
+        earlier = json.loads(args.resume.read_text())
+        args.earlier = earlier["results"]
+        args.commit_start = earlier["commit_start"]
+        args.earlier_wall = earlier["wall_s"]
+        print(f"resuming: {len(args.earlier)} programs kept from {args.resume}", flush=True)
     programs = _programs(args)
     variants = record.VARIANTS if args.variant == "all" else (args.variant,)
     failures_dir = args.out / "failures" if args.out else record.FAILURES_DIR
-    started, results, lock = time.monotonic(), [], threading.Lock()
+    started = time.monotonic() - args.earlier_wall  # wall_s: all sittings together
+    results, lock = list(args.earlier), threading.Lock()
     log = (lambda m: print(m, flush=True)) if args.verbose else None
     done = threading.Event()
 
@@ -139,7 +156,8 @@ def main(argv=None) -> int:
             with lock:
                 bad = sum(v["outcome"] in oracle.FAILURES for r in results
                           for v in r["variants"].values())
-                print(f"[{time.monotonic() - started:.0f} s] {len(results)}/{len(programs)} "
+                print(f"[{time.monotonic() - started:.0f} s] {len(results)}/"
+                      f"{len(programs) + len(args.earlier)} "
                       f"programs done, {bad} failures", flush=True)
 
     def one(prog):
