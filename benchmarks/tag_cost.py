@@ -1,5 +1,5 @@
 """What the run-time check costs (issue 25): the tag an agreed graph's all_reduces carry
-(``passes.tag``) and the wrapper every call of such a graph goes through
+(``ranks.tag``) and the wrapper every call of such a graph goes through
 (``runtime.Guarded``), measured side by side with the same graph untagged, in one run.
 
 Variants, one compiled step each (a chain of ``--layers`` row-parallel layers, each
@@ -45,7 +45,7 @@ def tag_pre_pass(variant: str, mismatch: bool = False):
     """An Inductor ``post_grad_custom_pre_pass`` tagging the graph as ``variant`` does;
     ``mismatch``: the tag sent is not a valid one (a pair of bits both set), so every check
     fails, as where a peer ran another graph (``--mismatch``)."""
-    from fxcoalesce.passes import tag
+    from fxcoalesce.ranks import tag
 
     def run(graph):
         if variant == "plain":
@@ -189,7 +189,7 @@ def wrapper_cost() -> dict:
     ``try``), against calling the same function directly: host time, any device."""
     from types import SimpleNamespace
 
-    from fxcoalesce.runtime import Guarded
+    from fxcoalesce.ranks.runtime import Guarded
 
     def f(x):
         return x

@@ -39,11 +39,12 @@ VERSION = 2
 
 
 def source_files() -> list[Path]:
-    """The files whose text defines what the passes do (core, passes, and the kernels whose
-    schemas and fake implementations the rewritten graphs are compiled against)."""
+    """The files whose text defines what the passes do (core, passes, rank safety, and the
+    kernels whose schemas and fake implementations the rewritten graphs are compiled against)."""
     import fxcoalesce.passes as passes
 
-    roots = [Path(__file__).parent, Path(passes.__file__).parent, Path(__file__).parent / "kernels"]
+    here = Path(__file__).parent
+    roots = [here, Path(passes.__file__).parent, here / "kernels", here / "ranks"]
     return sorted(p for root in roots for p in root.glob("*.py"))
 
 

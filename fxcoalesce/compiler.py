@@ -21,7 +21,7 @@ from .compile_cache import compile_key, source_fingerprint, source_files  # noqa
 from .config import Config
 from .graph_compile import GraphCompile, keep, rewrite_agreed
 from .pipeline import next_graph_name
-from .rank_check import CollectiveMismatchError
+from .ranks.check import CollectiveMismatchError
 from .report import record
 from .torch_releases import comm_reorder_options
 
@@ -80,7 +80,7 @@ def _with_env_dump(cfg: Config) -> Config:
 def _checked(config, entry: str = "backend") -> Config:
     """``config`` if it is a :class:`Config` (or None), else the one-line error naming the
     fix; also checks the environment the backend reads at compile time."""
-    from .agreement import env_timeout
+    from .ranks.agreement import env_timeout
 
     if config is not None and not isinstance(config, Config):
         kind = type(config).__name__
@@ -117,7 +117,7 @@ def backend(config: Config | None = None, *, on_graph: Callable | None = None,
     """
     from fxcoalesce.passes import check_config
 
-    from .exchange import announce
+    from .ranks.exchange import announce
 
     announce()  # where this rank runs: peers see at once if it dies before compiling
     cfg = _with_env_dump(_checked(config))

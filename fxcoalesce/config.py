@@ -320,7 +320,7 @@ class Config:
     (``after_<pass>.txt``), to see which pass did what."""
     run_checks: bool = True
     """Make a run-time mispairing loud: where ranks agree on a graph, its all_reduces carry a
-    tag that every rank checks after the collective (``passes.tag``), so a peer that runs
+    tag that every rank checks after the collective (``ranks.tag``), so a peer that runs
     another graph there (it re-cut or recompiled alone a stretch the ranks agreed to run
     rewritten) raises on every rank instead of computing wrong values. It costs one element
     per tagged all_reduce and a copy where the producer cannot write into the tagged

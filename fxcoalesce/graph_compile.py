@@ -21,17 +21,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from . import compile_cache
-from .agreement import ladder, must_compare
+from .ranks.agreement import ladder, must_compare
 from .collectives import find_comm_blocks, program_sequence, sequence_after
 from .collectives import group_of as group_of_node
 from .config import Config
-from .exchange import (CUTS, Outcome, agree_graph, cut_at, frame_identity, guard_keys, seen,
+from .ranks.exchange import (CUTS, Outcome, agree_graph, cut_at, frame_identity, guard_keys, seen,
                        without_symm)
 from .lowering import lowered_bytes, symm_problem
 from .pipeline import emit_graph, run_pipeline
-from .rank_check import CollectiveMismatchError, Sequence, has_peers
+from .ranks.check import CollectiveMismatchError, Sequence, has_peers
 from .report import Report, explain_agreement, record
-from .runtime import Guarded
+from .ranks.runtime import Guarded
 
 log = logging.getLogger("fxcoalesce")
 
@@ -49,7 +49,7 @@ class Agreed:
     step: int = 0
     error: str | None = None
     tagged: bool = False
-    """The graph carries run-time tags (``passes.tag``)."""
+    """The graph carries run-time tags (``ranks.tag``)."""
 
     def entry(self) -> dict:
         return {"program": self.program, "sequences": self.sequences,
@@ -154,8 +154,8 @@ def ladder_runs(gm, cfg: Config, name: str, program: Sequence) -> tuple[list, li
     without symmetric memory of a step that uses none is that step; the program's own order
     issues the program's sequence by construction (its graph is built only if kept: None),
     and so does a step whose first all_reduce could not carry its run-time tag against the
-    program's (``passes.tag.compatible``)."""
-    from fxcoalesce.passes.tag import compatible
+    program's (``ranks.tag.compatible``)."""
+    from fxcoalesce.ranks.tag import compatible
 
     steps = ladder(cfg)
     built: list[tuple] = []
@@ -179,15 +179,15 @@ def ladder_runs(gm, cfg: Config, name: str, program: Sequence) -> tuple[list, li
 
 def tagged(gm, new, outcome: Outcome, name: str, world: Callable | None = None,
            frame: str = ""):
-    """``new`` with its run-time tag (``passes.tag``) where the decision says so
+    """``new`` with its run-time tag (``ranks.tag``) where the decision says so
     (``outcome.tagged``: a rewritten graph, or a re-cut or recompile of a function a rank
     rewrote), else ``new`` as it is. ``world(group name)``: a group's size (by default the
     process group's)."""
-    from fxcoalesce.passes.tag import tag_pass
+    from fxcoalesce.ranks.tag import tag_pass
 
     from .collectives import group_of
     from .pipeline import copy_graph_module
-    from .rank_check import _resolve
+    from .ranks.check import _resolve
 
     if not (outcome.tagged and outcome.tag):
         return new
@@ -207,7 +207,7 @@ def checks_of(gm) -> list[tuple]:
     no stand-in pairs with what the peers issue."""
     from fxcoalesce.collectives import is_collective
     from fxcoalesce.meta import tensor_val
-    from fxcoalesce.passes.tag import CHECKED
+    from fxcoalesce.ranks.tag import CHECKED
 
     seen, entries = set(), []
     for n in gm.graph.nodes:
@@ -371,7 +371,7 @@ class GraphCompile:
         pre = self.user_pre_pass
         keyed = compile_cache.KeyedPass(pre, key)
 
-        from fxcoalesce.passes.tag import CHECKED
+        from fxcoalesce.ranks.tag import CHECKED
 
         def inner_compile(graph_module, inputs, **kwargs):
             # the FX graph cache keys on the rewritten graph and on ``keyed``

@@ -212,7 +212,7 @@ def symm_problem(sequence, nbytes: int = 0) -> str | None:
     are skipped, with no collective."""
     import torch.distributed as dist
 
-    from .rank_check import _resolve
+    from .ranks.check import _resolve
 
     nccl_groups = symm_groups(sequence, [SYMM_OPS[NCCL_SYMM]])
     for name in symm_groups(sequence):

@@ -55,7 +55,7 @@ def reference_lowering():
 def simulated_groups(groups: dict[str, tuple[int, ...]]):
     """Hand-built graphs name groups no process group here has ("0", "1"): inside, a group
     name in ``groups`` counts as a group of those ranks where the passes ask whether a graph
-    has peers and which groups' ranks contain which (``passes.tag``: a graph's first
+    has peers and which groups' ranks contain which (``ranks.tag``: a graph's first
     all_reduce of a group stays out of buckets, as it does on real ranks). Simulated
     multi-rank tests (``tests/test_property_ranks.py``) compile their ranks' graphs inside
     it; nothing else reads it."""

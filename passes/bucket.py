@@ -35,7 +35,7 @@ from fxcoalesce.meta import (ORIGIN, REPLACES, fake_mode_of, hinted_nbytes, orig
 from .decide import Decider
 from .emit import Emitter, place
 from .result import Bucket, PassResult
-from .tag import pinned
+from ..ranks.tag import pinned
 
 aten = torch.ops.aten
 

@@ -57,7 +57,7 @@ from fxcoalesce.meta import (ORIGIN, REPLACES, fake_mode_of, is_scalar, origin, 
 
 from .decide import MIN_SAVING_SHARE, MIN_SAVING_US, Decider
 from .result import Bucket, PassResult
-from .tag import pinned
+from ..ranks.tag import pinned
 
 aten, prims = torch.ops.aten, torch.ops.prims
 F32 = torch.float32

@@ -76,7 +76,7 @@ from .decide import Decider
 from .emit import Emitter, place
 from .layout import RESHAPES, SAME_VALUE, VIEWS, layout_chain, layout_source, restorable
 from .result import Bucket, PassResult
-from .tag import pinned
+from ..ranks.tag import pinned
 
 aten = torch.ops.aten
 LINEAR_REDUCTIONS = ("sum", "avg")

@@ -38,11 +38,11 @@ from fxcoalesce.meta import (ORIGIN, REPLACES, fake_mode_of, origin, propagate_v
 
 from .decide import Decider
 from .result import Bucket, PassResult
-from .tag import pinned
+from ..ranks.tag import pinned
 
 aten = torch.ops.aten
 PINNED = ("the graph's first all_reduce stays a plain all_reduce: it carries the run-time "
-          "check that peers run the same graph (passes.tag)")
+          "check that peers run the same graph (ranks.tag)")
 NCCL_COPY_IN = ("copy-in: NCCL's all_reduce on fxcoalesce's registered window (Inductor "
                 "allocates no NCCL windows; under CUDA graphs none can be in the graph's pool)")
 

@@ -21,7 +21,7 @@ dims (``unfold``) is left alone.
 A slice whose arguments differ between ranks (``AR(x).chunk(world)[rank]``) would make this
 wrong, and one rank's graph cannot tell. So the new collective records its slice, which
 becomes part of the issue sequence the backend compares across ranks at compile time
-(``rank_check``); on any difference every rank recompiles without this pass. Index tensors
+(``ranks.check``); on any difference every rank recompiles without this pass. Index tensors
 (``index``, ``gather``) are left alone: their values could differ between ranks unseen.
 """
 
@@ -41,7 +41,7 @@ from .emit import Emitter
 from .layout import (keep_output_strides, layout_chain, output_strides, refresh_vals, replay,
                      restorable)
 from .result import Bucket, PassResult
-from .tag import pinned
+from ..ranks.tag import pinned
 
 aten = torch.ops.aten
 SLICES = {aten.slice.Tensor, aten.select.int}

@@ -20,7 +20,7 @@ A rank may run a :class:`Chain` of graphs instead of one (a program cut into gra
 breaks): the parts run in turn, values crossing a cut passed on as outputs of one part and
 inputs of the next; and a :class:`Job` of such steps, one after the other (the life of a
 job: rank-local recompiles and re-cuts between steps). A rank whose run-time tag check
-fails (``passes.tag``) stops there, loudly: ``Simulation.raised``.
+fails (``ranks.tag``) stops there, loudly: ``Simulation.raised``.
 
     b = GraphBuilder()
     x = b.input("x", (2, 2))
@@ -69,7 +69,7 @@ class Simulation:
     by_rank: list[list[Signature]] = field(default_factory=list)
     """The all_reduces each rank issued, in its order."""
     raised: dict[int, int] = field(default_factory=dict)
-    """Ranks whose tag check failed (``passes.tag``): the firing index each had paired last."""
+    """Ranks whose tag check failed (``ranks.tag``): the firing index each had paired last."""
     stuck: list[int] = field(default_factory=list)
     """Ranks left waiting (for a rank in ``raised``) when the run ended."""
     members: list[list[int]] = field(default_factory=list)
@@ -117,7 +117,7 @@ class _Pending:
 def run_rank(gm: GraphModule, inputs: Sequence[torch.Tensor]) -> RankRun:
     """Interpret ``gm`` on ``inputs``. At an all_reduce, yield ("issue", pending) and go on
     (it is in flight); at its ``wait_tensor``, yield ("wait", pending) until it is reduced.
-    Return the outputs. A tag check that fails (``passes.tag``) raises from here."""
+    Return the outputs. A tag check that fails (``ranks.tag``) raises from here."""
     env = {}
     args = iter(inputs)
     for n in gm.graph.nodes:
@@ -222,8 +222,8 @@ def describe(heads: dict[int, Signature | None], ranks: Sequence[int]) -> str:
 
 
 def is_check_error(e: BaseException) -> bool:
-    """A tag check's error (``passes.tag``): a rank that stops on it stops loudly."""
-    from fxcoalesce.passes.tag import MESSAGE_START
+    """A tag check's error (``ranks.tag``): a rank that stops on it stops loudly."""
+    from fxcoalesce.ranks.tag import MESSAGE_START
 
     return isinstance(e, RuntimeError) and MESSAGE_START in str(e)
 

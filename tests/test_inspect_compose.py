@@ -94,7 +94,7 @@ def test_check_bytes_as_the_run_sends_them(capsys, tmp_path):
     element on the next, in the step's dtype (bf16 here), added to the bytes after; a step
     left in the program's order carries none."""
     pytest.importorskip("transformers")
-    from fxcoalesce.passes.tag import TAG_BITS
+    from fxcoalesce.ranks.tag import TAG_BITS
 
     out, report = inspect(capsys, tmp_path, "cohere", *MODELS["cohere"][0])
     check = report["run_time_check"]

@@ -343,7 +343,8 @@ def test_symm_problem_prepares_each_group_with_its_backend(monkeypatch):
     each prepares with its own module), each with the largest lowered size."""
     import torch.distributed as dist
 
-    from fxcoalesce import lowering, rank_check
+    from fxcoalesce import lowering
+    from fxcoalesce.ranks import check as rank_check
     from fxcoalesce.kernels import nccl_symm, symm
 
     seen = []

@@ -71,12 +71,12 @@ from simulate import Chain, CollectiveMismatch, assert_loud, reduce, simulate
 from torch.fx import GraphModule, Node
 
 import fxcoalesce
-from fxcoalesce.agreement import ladder
+from fxcoalesce.ranks.agreement import ladder
 from fxcoalesce.collectives import (find_comm_blocks, issue_sequence, program_sequence,
                                     sequence_after)
-from fxcoalesce.exchange import Exchange, Outcome, RankEnv, agree_graph
+from fxcoalesce.ranks.exchange import Exchange, Outcome, RankEnv, agree_graph
 from fxcoalesce.graph_compile import tagged
-from fxcoalesce.passes.tag import compatible
+from fxcoalesce.ranks.tag import compatible
 from fxcoalesce.pipeline import copy_graph_module
 from fxcoalesce.lowering import lowered_bytes, symm_groups
 from fxcoalesce.testing import simulated_groups

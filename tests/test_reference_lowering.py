@@ -40,7 +40,7 @@ def look_alike(s: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def step(x, h, w, w2):
     h = funcol.all_reduce(h, "max", dist.group.WORLD)  # the first: carries the run-time
-    s1 = h + ar(x)                                     # check, stays NCCL (passes.tag)
+    s1 = h + ar(x)                                     # check, stays NCCL (ranks.tag)
     n1 = F.rms_norm(s1, (H,), w, 1e-5)          # fused
     s2 = s1 + ar(n1 @ w2)
     n2 = look_alike(s2, w)                       # not a norm: its all_reduce a one-shot

@@ -1,4 +1,4 @@
-"""Tier 1: the run-time tags (``passes.tag``) and the per-call wrapper (``runtime``), on
+"""Tier 1: the run-time tags (``ranks.tag``) and the per-call wrapper (``runtime``), on
 hand-built graphs run by ``simulate`` (ranks in one process) and on one gloo rank.
 
 A tagged graph (a rewritten one, or a re-cut of a function a rank rewrote) tags its first
@@ -19,10 +19,10 @@ from simulate import assert_loud, simulate
 
 import fxcoalesce
 from fxcoalesce import Config, run_pipeline
-from fxcoalesce.passes.tag import (MESSAGE_START, TAG_BITS, agrees, bits, compatible,
+from fxcoalesce.ranks.tag import (MESSAGE_START, TAG_BITS, agrees, bits, compatible,
                                    message, tag_pass)
 from fxcoalesce.pipeline import copy_graph_module
-from fxcoalesce.rank_check import CollectiveMismatchError
+from fxcoalesce.ranks.check import CollectiveMismatchError
 
 aten = torch.ops.aten
 WORLD = 2
@@ -132,7 +132,7 @@ def test_a_check_passes_on_one_rank_exactly_when_it_passes_on_all(dtype, op):
 def test_tag_ids_are_handed_out_once_even_across_a_new_store():
     import torch.distributed as dist
 
-    from fxcoalesce import exchange
+    from fxcoalesce.ranks import exchange
 
     store = dist.HashStore()
     a, b = exchange.Exchange(store, 0, "t"), exchange.Exchange(store, 1, "t")
@@ -178,7 +178,7 @@ def test_the_message_fits_a_device_assert_and_a_cpp_literal():
 def test_the_wrapper_names_what_to_do_and_agrees_again_on_a_new_group(monkeypatch):
     from types import SimpleNamespace
 
-    from fxcoalesce import runtime
+    from fxcoalesce.ranks import runtime
 
     def fails(*args):
         raise RuntimeError(message("g", 1))
@@ -200,7 +200,7 @@ def test_program_order_runs_the_dynamo_graph_eagerly_untagged(tmp_path):
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
 
-    from fxcoalesce.runtime import ProgramOrder
+    from fxcoalesce.ranks.runtime import ProgramOrder
 
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -250,7 +250,7 @@ def test_guards_on_torchs_own_settings_are_not_a_rank_difference():
     """torch 2.15 guards on ``torch.compiler.config.compile_on_one_rank`` in a branch one rank
     takes (tests/test_rank_order.py's rank_branch): a process-wide setting, not a value one
     rank changes later, so the ranks did not fall back for it; a user's own values count."""
-    from fxcoalesce.exchange import TORCH_OWN
+    from fxcoalesce.ranks.exchange import TORCH_OWN
 
     assert TORCH_OWN.search("G['torch'].compiler.config._config['compile_on_one_rank'].alias")
     assert TORCH_OWN.search("G['__import_torch_dot_distributed_dot__functional_collectives']"

@@ -1,5 +1,5 @@
 """``torch.ops.fxcoalesce.tag_after(Tensor ok, Tensor tag, str message) -> Tensor``: a copy of
-``tag``, made only once ``ok`` (a tag check, ``passes.tag``) holds: on CPU it raises
+``tag``, made only once ``ok`` (a tag check, ``ranks.tag``) holds: on CPU it raises
 :class:`~fxcoalesce.CollectiveMismatchError` with ``message`` otherwise; on CUDA a
 device-side assert stops the stream first.
 
@@ -24,7 +24,7 @@ def _fake(ok, tag, message):
 
 def _cpu(ok, tag, message):
     if not bool(ok.all()):
-        from fxcoalesce.rank_check import CollectiveMismatchError
+        from fxcoalesce.ranks.check import CollectiveMismatchError
 
         raise CollectiveMismatchError(message)
     return tag.clone()

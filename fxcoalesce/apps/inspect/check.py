@@ -1,8 +1,8 @@
-"""What the run-time check (``passes.tag``) adds to a rewritten step, counted as the run
+"""What the run-time check (``ranks.tag``) adds to a rewritten step, counted as the run
 sends it: a rewritten graph's first all_reduce per group carries a ``2 * TAG_BITS``-element
 tag, and the collective after it one element made from the check (the gate); a graph that
 keeps the program's own order carries nothing. The demo counts these bytes at run time
-(neox-tiny, 3 tokens, float32: 3840 + 132); ``inspect`` counts them from ``passes.tag.plan``
+(neox-tiny, 3 tokens, float32: 3840 + 132); ``inspect`` counts them from ``ranks.tag.plan``
 of the rewritten graph, the all_reduces the tag pass would tag."""
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def check_cost(after: GraphModule, world: int, *, rewritten: bool,
     nothing unless ``rewritten`` (the run tags only graphs whose collectives differ from the
     program's) and ``run_checks``."""
     from fxcoalesce.meta import tensor_val
-    from fxcoalesce.passes.tag import TAG_BITS, plan
+    from fxcoalesce.ranks.tag import TAG_BITS, plan
 
     elements = 2 * TAG_BITS
     if not (rewritten and run_checks):

@@ -32,8 +32,8 @@ import torch.distributed as dist
 
 from .agreement import (TIMEOUT_ENV, Agreement, Step, canonical, decide, program_step,
                         timeout_s)
-from .config import Config
-from .rank_check import Sequence, _resolve
+from ..config import Config
+from .check import Sequence, _resolve
 
 log = logging.getLogger("fxcoalesce")
 NAMESPACE = "fxcoalesce/agree/v1"
@@ -51,10 +51,10 @@ class Exchange:
         self.joined = False
 
     def new_id(self) -> int:
-        """A tag id no other decision in this store has (``passes.tag``): a counter in the
+        """A tag id no other decision in this store has (``ranks.tag``): a counter in the
         store. A process that used ids in an earlier store first moves the counter past
         them (a group made anew keeps Dynamo's compiled graphs, and their ids)."""
-        from fxcoalesce.passes.tag import TAG_BITS
+        from .tag import TAG_BITS
 
         key = self._key("ids")
         if not self.joined:
@@ -204,7 +204,7 @@ class RankEnv:
     "guards differ" on one of them. A later graph of one is not waited for."""
     rewritten: set = field(default_factory=set)
     """Functions (:func:`family`) this rank runs a rewritten graph of: a later graph of one
-    carries tags (``passes.tag``)."""
+    carries tags (``ranks.tag``)."""
     retired: set = field(default_factory=set)
     """Functions whose rewritten and tagged graphs this rank runs in the program's own order
     from now on (``runtime.Guarded``): every rank of a decision "cut varies" retires them
@@ -413,7 +413,7 @@ class Outcome:
     digests: list[str] = field(default_factory=list)
     """Of each step's sequence on this rank, in the rank-invariant form."""
     tag: int = 0
-    """The decision's tag id (``passes.tag``)."""
+    """The decision's tag id (``ranks.tag``)."""
     tagged: bool = False
     """The graph carries the tag: its step is rewritten, or a rank of the decision runs a
     rewritten graph of its function (a re-cut or recompile of one)."""
@@ -725,7 +725,7 @@ class _Run:
                         why += f"; this graph ({self.family}) is compiled inside a call of it"
                     entry = self._add(self._fallback(closure, "guards differ", why))
                 elif stopped := next(filter(None, map(self.ex.stopped_rank, missing)), None):
-                    from .rank_check import CollectiveMismatchError
+                    from .check import CollectiveMismatchError
 
                     raise CollectiveMismatchError(f"fxcoalesce: {stopped}")
                 elif gone := [r for r in missing if self.ex.gone(r) is not None]:
@@ -804,7 +804,7 @@ class _Run:
     def _fallback(self, closure: set[int], how: str, why: str) -> dict:
         """The program's own order for ``closure``: right however each rank cuts the
         program, and untagged unless a rank runs a rewritten graph of the function
-        (``passes.tag``): then it pairs with whatever a peer runs at that place exactly as
+        (``ranks.tag``): then it pairs with whatever a peer runs at that place exactly as
         plain ``torch.compile``'s graphs would."""
         last = program_step(self.steps)
         entry = {"ranks": sorted(closure), "step": last, "nosymm": last, "ws": 0, "how": how,

@@ -51,7 +51,7 @@ peer issues another collective at the same place: the program differs) into
 :class:`CollectiveMismatchError` on every rank at the graph's first call; a different cut
 into graphs is not such a difference.
 
-**At run time** (the rest of the job; ``passes.tag``, ``runtime``). What a rank may assume
+**At run time** (the rest of the job; ``ranks.tag``, ``runtime``). What a rank may assume
 about its peers once the agreement is made, and how each assumption is kept:
 
 - *They stay in one process group.* A compiled graph checks at every call that the default
@@ -64,7 +64,7 @@ about its peers once the agreement is made, and how each assumption is kept:
   waited for. A function some rank has compiled cut in two ways (a print only some steps
   reach) is never rewritten ("cut varies"), and the ranks retire its earlier rewritten
   graphs together, before any runs the new one (``runtime.Guarded``). Where a rank still
-  re-cuts or recompiles a rewritten stretch alone, the tags (``passes.tag``) make the first
+  re-cuts or recompiles a rewritten stretch alone, the tags (``ranks.tag``) make the first
   pairing with a peer that runs the rewrite fail its check on every rank of the pair,
   before any value is returned. (A rank whose recompile can still issue the agreed
   sequence keeps it.) Graphs of the program's own order carry no tag: they pair with eager
@@ -77,10 +77,8 @@ about its peers once the agreement is made, and how each assumption is kept:
   graph's groups.
 
 Assumed at run time, beyond the program issuing the same collectives on every rank: the
-same ``Config`` on every rank, and a rank running compiled the functions it compiled and
-agreed to rewrite (a rank that runs such a function uncompiled later, e.g. after Dynamo's
-recompile limit on that rank alone, issues untagged collectives that meet tagged ones:
-gloo then aborts on the size, loudly; NCCL is not guaranteed to).
+same ``Config`` on every rank. A rank that Dynamo would run a rewritten function uncompiled
+on (a skipped frame, a partial compile, the recompile limit) votes first (``runtime``).
 """
 
 from __future__ import annotations
@@ -88,8 +86,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, replace
 
-from .config import Config
-from .rank_check import Sequence, first_difference, has_peers
+from ..config import Config
+from .check import Sequence, first_difference, has_peers
 
 DEFAULT_TIMEOUT_S = 120.0
 TIMEOUT_ENV = "FXCOALESCE_AGREE_TIMEOUT"
@@ -232,7 +230,7 @@ def shown_text(text: str, names: list[str]) -> str:
 
 def uses_symm(texts: list[str]) -> bool:
     """Does a canonical sequence run a symmetric-memory implementation?"""
-    from .lowering import SYMM_OPS
+    from ..lowering import SYMM_OPS
 
     names = {op.split("::")[1] for op in SYMM_OPS.values()}
     return any(t.split(":", 1)[1].split("(")[0] in names for t in texts)
@@ -349,7 +347,7 @@ class Agreement:
     """Why the ranks fell back to the program's own order (a peer's other cut, with where
     it cut its graph when known; who never compiled; ...), "" where they did not."""
     checks: list[str] = field(default_factory=list)
-    """The run-time tags the graph carries (``passes.tag``), one line each."""
+    """The run-time tags the graph carries (``ranks.tag``), one line each."""
 
     def as_dict(self) -> dict:
         return {"compared": self.compared, "step": self.step, "how": self.how,

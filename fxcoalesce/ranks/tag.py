@@ -68,7 +68,7 @@ from fxcoalesce.collectives import ALL_REDUCE, describe, group_of, is_collective
 from fxcoalesce.graph_order import reorder
 from fxcoalesce.meta import fake_mode_of, tensor_val
 
-from .emit import Emitter
+from ..passes.emit import Emitter
 
 aten = torch.ops.aten
 MESSAGE_START = "fxcoalesce: at run time a peer issued another collective"

@@ -14,7 +14,7 @@ it (``agreement`` has the argument this completes):
   and runs the program's own order where the ranks settle on it (:class:`ProgramOrder`:
   the Dynamo graph run eagerly).
 - **A peer re-cut or recompiled the stretch alone**: seen only at run time, by the tags
-  (``passes.tag``); their check raises on every rank of the pairing. The wrapper turns the
+  (``ranks.tag``); their check raises on every rank of the pairing. The wrapper turns the
   check's error into :class:`~fxcoalesce.CollectiveMismatchError` where it surfaces
   (on CPU; on CUDA a device-side assert stops the process).
 
@@ -34,7 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .agreement import ladder
 from .exchange import RETIRED, family
-from .rank_check import CollectiveMismatchError
+from .check import CollectiveMismatchError
 
 log = logging.getLogger("fxcoalesce")
 REMEDY = (". Keep graph breaks alike on every rank (a print on one rank: "
@@ -59,7 +59,7 @@ class _RecompileLimit(logging.Handler):
         limit, value, name, path, line = m.groups()
         frame = f"{name}@{os.path.basename(path)}:{line}"
         _LIMITS[frame] = (limit, value)
-        from .graph_compile import OPENS
+        from ..graph_compile import OPENS
 
         if not _SKIPS_WATCHED and frame in OPENS:
             _stop(frame, None, "")
@@ -113,7 +113,7 @@ def _heard(result, frame) -> None:
 
 
 def _tagged_here(code) -> bool:
-    from .graph_compile import OPENS
+    from ..graph_compile import OPENS
 
     return bool(OPENS) and _key(code) in OPENS
 
@@ -152,7 +152,7 @@ def skipped(frame, reason: str) -> None:
     resume from: ``reason`` :data:`_PARTLY`), where this rank ran a tagged graph of it: its
     peers may run that graph while this rank issues the program's own collectives,
     untagged (a transport abort or wrong values). The ranks that run it uncompiled vote in
-    the store (:meth:`~fxcoalesce.exchange.Exchange.skip_vote`): where every rank does, all
+    the store (:meth:`~fxcoalesce.ranks.exchange.Exchange.skip_vote`): where every rank does, all
     run the program's own collectives (right, as under plain); else this rank stops loudly
     before the frame runs, and sends its peers what makes their checks fail at once."""
     if dist.is_initialized():
@@ -164,7 +164,7 @@ def _stop(key: str, scope: dict | None, reason: str) -> None:
     graph (``scope``: the frame's locals and globals as ``L`` and ``G``; None: not known,
     no vote)."""
     from .exchange import group_timeout_s, process_env
-    from .graph_compile import OPENS
+    from ..graph_compile import OPENS
 
     try:
         env = process_env()
@@ -218,7 +218,7 @@ def _running(tagged: list, scope: dict) -> tuple[list, dict]:
     {}) where none fits or the inputs cannot be read."""
     import torch
 
-    from .graph_compile import checks_of
+    from ..graph_compile import checks_of
 
     for guarded in reversed(tagged):
         try:
@@ -238,7 +238,7 @@ def _running(tagged: list, scope: dict) -> tuple[list, dict]:
 
 def _members(groups: set) -> set[int]:
     """The ranks of the groups named (the world where one is not known here)."""
-    from fxcoalesce.passes.tag import group_members
+    from .tag import group_members
 
     out: set[int] = set()
     for g in groups:
@@ -257,7 +257,7 @@ def _stop_peers(entries: list, inputs: dict, after: int = -1) -> None:
     group's timeout. ``inputs``: the values of the graph's size symbols (:func:`_concrete`)."""
     import torch
 
-    from fxcoalesce.passes.tag import TAG_BITS
+    from .tag import TAG_BITS
 
     ops = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX,
            "min": dist.ReduceOp.MIN}
@@ -351,7 +351,7 @@ class Guarded:
         self.checked = tagged[0].graph if len(tagged) == 1 else None
         """The tagged ATen graph (one): what a rank that stops sends peers (:func:`_stop`)."""
         if self.checked is not None and job.frame:
-            from .graph_compile import OPENS, checks_of
+            from ..graph_compile import OPENS, checks_of
 
             self.groups = {e[0] for e in checks_of(self.checked)}
             OPENS.setdefault(job.frame, []).append(self)
@@ -368,7 +368,7 @@ class Guarded:
         try:
             return self.run(*args, **kwargs)
         except RuntimeError as e:
-            from fxcoalesce.passes.tag import MESSAGE_START
+            from .tag import MESSAGE_START
 
             if MESSAGE_START in str(e) and REMEDY not in str(e):
                 self._stop_later_checks(str(e), args)
@@ -384,9 +384,9 @@ class Guarded:
         """This rank failed a check of its graph: send what each later check receives, so
         that the peers it meets only in later groups stop there too, not on the group's
         timeout."""
-        from fxcoalesce.passes.tag import failed_check
+        from .tag import failed_check
 
-        from .graph_compile import checks_of
+        from ..graph_compile import checks_of
 
         failed = failed_check(error)
         if failed is not None and self.checked is not None:
@@ -444,7 +444,7 @@ class ProgramOrder:
     """The Dynamo graph run eagerly: what a rank runs where the ranks agreed again on the
     program's own order for a graph it compiled otherwise. Tagged like a compiled graph of
     that decision (``tag``: its first all_reduce in each group; 0: untagged, as every graph
-    of the program's order that no rank rewrote, ``passes.tag``)."""
+    of the program's order that no rank rewrote, ``ranks.tag``)."""
 
     def __init__(self, gm, name: str, tag: int = 0):
         self.gm, self.name, self.tag = gm, name, tag
@@ -457,7 +457,7 @@ class ProgramOrder:
 
 
 class _FirstTags(TorchDispatchMode):
-    """Tag the first all_reduce of each group as ``passes.tag`` does, check it before
+    """Tag the first all_reduce of each group as ``ranks.tag`` does, check it before
     anything more is issued."""
 
     def __init__(self, name: str, tag: int):
@@ -467,7 +467,7 @@ class _FirstTags(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         import torch
 
-        from fxcoalesce.passes.tag import agrees, bits, message, taggable_value
+        from .tag import agrees, bits, message, taggable_value
 
         kwargs = kwargs or {}
         c10d = torch.ops._c10d_functional
