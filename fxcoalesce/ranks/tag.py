@@ -68,7 +68,6 @@ from fxcoalesce.collectives import ALL_REDUCE, describe, group_of, is_collective
 from fxcoalesce.graph_order import reorder
 from fxcoalesce.meta import fake_mode_of, tensor_val
 
-from ..passes.emit import Emitter
 
 aten = torch.ops.aten
 MESSAGE_START = "fxcoalesce: at run time a peer issued another collective"
@@ -325,6 +324,7 @@ def _carry(gm: GraphModule, block, mode, extra) -> tuple[Node, Node]:
     node, wait = block.collective, block.wait
     x = node.args[0]  # as it is now: an earlier tag may have rewired it
     val = tensor_val(x)
+    from ..passes.emit import Emitter  # (passes imports this module)
     emit = Emitter(gm.graph, before=node, mode=mode)
     sent = extra(emit, val)
     numel = val.numel()
@@ -335,6 +335,7 @@ def _carry(gm: GraphModule, block, mode, extra) -> tuple[Node, Node]:
     propagate_val(node, mode)
     propagate_val(wait, mode)
     users = list(wait.users)
+    from ..passes.emit import Emitter  # (passes imports this module)
     emit = Emitter(gm.graph, after=wait, mode=mode)
     tail = emit(aten.slice.Tensor, wait, 0, numel, None)
     data = emit(aten.slice.Tensor, wait, 0, 0, numel)
@@ -369,6 +370,7 @@ def _tag_one(gm: GraphModule, block, tag: int, mode, *, after_check, message: st
         return _gated(emit, val, after_check, message, width, sent=made["bits"])
 
     _, tail = _carry(gm, block, mode, sent_bits)
+    from ..passes.emit import Emitter  # (passes imports this module)
     emit = Emitter(gm.graph, after=tail, mode=mode)
     half = emit(aten.add.Tensor, emit(aten.slice.Tensor, tail, 0, 0, TAG_BITS),
                 emit(aten.slice.Tensor, tail, 0, TAG_BITS, None))
