@@ -254,6 +254,12 @@ def _session(sid: int) -> list[str]:
     return left
 
 
+def _default_sigint():
+    """A shell that starts a job in the background (``cmd &``, nohup) ignores SIGINT for it,
+    and Python keeps an ignored SIGINT: undo that for the child, as a terminal's job has it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _interrupt(args: list[str], line: str, tmp: Path) -> tuple[int, str, list[str]]:
     """Run ``fxcoalesce ARGS`` in a session of its own, wait for ``line`` on its stderr, send
     SIGINT to its whole process group (as a terminal's Ctrl-C does: the ranks get it too),
@@ -263,7 +269,7 @@ def _interrupt(args: list[str], line: str, tmp: Path) -> tuple[int, str, list[st
     env = dict(os.environ, TMPDIR=str(tmp), PYTHONWARNINGS="ignore:Failed to initialize NumPy")
     proc = subprocess.Popen([sys.executable, "-m", "fxcoalesce.apps.cli", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, env=env)
+                            start_new_session=True, env=env, preexec_fn=_default_sigint)
     try:
         before = []
         for text in proc.stderr:
