@@ -62,12 +62,36 @@ class _RecompileLimit(logging.Handler):
         from ..graph_compile import OPENS
 
         if not _SKIPS_WATCHED and frame in OPENS:
-            _stop(frame, None, "")
+            _stop(frame, _compiling_scope(frame), "")
+
+
+def _compiling_scope(key: str) -> dict | None:
+    """The locals and globals (``L``, ``G``) of the frame Dynamo is compiling, read off the
+    Python stack of its recompile-limit warning (no skip hook on this torch: 2.11): a frame
+    object whose code is ``key``'s, or a code object beside the dicts it runs with."""
+    import sys
+    import types
+
+    caller = sys._getframe(1)
+    while caller is not None:
+        names = caller.f_locals
+        for v in names.values():
+            if hasattr(v, "f_code") and hasattr(v, "f_locals") and _key(v.f_code) == key:
+                return {"L": v.f_locals, "G": v.f_globals}
+        code = next((v for v in names.values() if isinstance(v, types.CodeType)
+                     and _key(v) == key), None)
+        if code is not None and isinstance(names.get("locals"), dict) \
+                and isinstance(names.get("globals"), dict):
+            return {"L": names["locals"], "G": names["globals"]}
+        caller = caller.f_back
+    return None
 
 
 _LIMITS: dict = {}
 """Frame -> (Dynamo's limit, its value) when this rank reached it there."""
 _SKIPS_WATCHED: list = []
+SKIP_HOOK = True
+"""Wrap Dynamo's skip hook where this torch has one (False: as on torch 2.11, for tests)."""
 
 
 def watch_dynamo() -> None:
@@ -82,7 +106,7 @@ def watch_dynamo() -> None:
 
     wrapper = getattr(convert_frame, "CatchErrorsWrapper", None)
     orig = getattr(wrapper, "_handle_skip", None)
-    if orig is None:  # not this torch's shape: the recompile limit's warning only
+    if orig is None or not SKIP_HOOK:  # not this torch's shape: the limit's warning only
         return
 
     def _handle_skip(self, result, frame):
