@@ -217,7 +217,7 @@ def scaled(x, y, s):
     return ar(x * s) + ar(y * 3)
 
 
-def _limit_run(rank, world, hook=True):
+def _limit_run(rank, world, hook="auto"):
     torch.set_num_threads(1)
     fxcoalesce.ranks.runtime.SKIP_HOOK = hook  # False: the recompile limit's warning only
     torch._dynamo.config.recompile_limit = 2
@@ -230,7 +230,7 @@ def _limit_run(rank, world, hook=True):
     return out, [r.all_reduce["after"] for r in fxcoalesce.reports()]
 
 
-@pytest.mark.parametrize("hook", [True, False], ids=["skip_hook", "warning_only"])
+@pytest.mark.parametrize("hook", ["auto", "call", False], ids=["auto", "call", "warning_only"])
 def test_the_recompile_limit_on_one_rank_for_a_rewrite_stops_every_rank_at_once(hook):
     """``warning_only``: a torch whose Dynamo has no skip hook to wrap (2.11, found by the
     fuzzer on the GPU machine, seeds 50008 and 50019: rank 1 got gloo's "Connection closed by
@@ -268,8 +268,9 @@ def looped_partly(x, ws, step):
     return x
 
 
-def _skip_run(rank, world, who, fn):
+def _skip_run(rank, world, who, fn, hook="auto"):
     torch.set_num_threads(1)
+    fxcoalesce.ranks.runtime.SKIP_HOOK = hook  # "call": where Dynamo has no _handle_skip
     gen = torch.Generator().manual_seed(0)
     ws = [torch.randn(8, 8, generator=gen) * 0.1 for _ in range(2)]
     fn = {"looped": looped, "looped_partly": looped_partly}[fn]
@@ -280,9 +281,13 @@ def _skip_run(rank, world, who, fn):
     return out, [r.all_reduce["after"] for r in fxcoalesce.reports()]
 
 
+@pytest.mark.parametrize("hook", ["auto", "call"])
 @pytest.mark.parametrize("fn", ["looped", "looped_partly"])
-def test_a_skip_at_a_recompile_on_one_rank_stops_every_rank_at_once(fn):
-    res = spawn(_skip_run, 2, ("one", fn), backend="gloo", timeout=400,
+def test_a_skip_at_a_recompile_on_one_rank_stops_every_rank_at_once(fn, hook):
+    """``call``: Dynamo's results heard at ``CatchErrorsWrapper.__call__``, as on torch 2.11,
+    whose Dynamo has no ``_handle_skip`` (there rank 0 ran the frame uncompiled and gloo
+    aborted both ranks: found on the GPU machine, which has 2.11)."""
+    res = spawn(_skip_run, 2, ("one", fn, hook), backend="gloo", timeout=400,
                 group_timeout_s=GROUP_TIMEOUT_S)
     assert res[1][1][0] < 4, res  # the ranks agreed to sum the pairs
     for steps, _ in res:  # right until rank 0 would run the frame uncompiled, then loud

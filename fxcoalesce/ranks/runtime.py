@@ -90,8 +90,10 @@ def _compiling_scope(key: str) -> dict | None:
 _LIMITS: dict = {}
 """Frame -> (Dynamo's limit, its value) when this rank reached it there."""
 _SKIPS_WATCHED: list = []
-SKIP_HOOK = True
-"""Wrap Dynamo's skip hook where this torch has one (False: as on torch 2.11, for tests)."""
+SKIP_HOOK = "auto"
+"""Where to hear what Dynamo made of a frame: ``"auto"``, its ``_handle_skip`` where this
+torch has one (2.13 on), else the wrapper's ``__call__`` (2.11); ``"call"``, the latter
+always (tests); False, neither (the recompile limit's warning only; tests)."""
 
 
 def watch_dynamo() -> None:
@@ -100,33 +102,49 @@ def watch_dynamo() -> None:
     logger = logging.getLogger("torch._dynamo.convert_frame")
     if not any(isinstance(h, _RecompileLimit) for h in logger.handlers):
         logger.addHandler(_RecompileLimit())
-    if _SKIPS_WATCHED:
+    if _SKIPS_WATCHED or not SKIP_HOOK:
         return
     from torch._dynamo import convert_frame
 
     wrapper = getattr(convert_frame, "CatchErrorsWrapper", None)
-    orig = getattr(wrapper, "_handle_skip", None)
-    if orig is None or not SKIP_HOOK:  # not this torch's shape: the limit's warning only
+    if wrapper is None:  # not this torch's shape: the limit's warning only
         return
 
-    def _handle_skip(self, result, frame):
+    def listen(result, frame, uncompiled: str | None) -> None:
         try:
-            _heard(result, frame)
+            _heard(result, frame, uncompiled)
         except CollectiveMismatchError:
             raise
         except Exception:  # never break Dynamo: this rank goes on as without the hook
             log.exception("fxcoalesce: could not look at Dynamo's result for %s",
                           frame.f_code.co_name)
-        return orig(self, result, frame)
 
-    wrapper._handle_skip = _handle_skip
-    _SKIPS_WATCHED.append(orig)
+    orig = getattr(wrapper, "_handle_skip", None)
+    if orig is not None and SKIP_HOOK == "auto":
+        def _handle_skip(self, result, frame):
+            listen(result, frame, None)
+            return orig(self, result, frame)
+
+        wrapper._handle_skip = _handle_skip
+        _SKIPS_WATCHED.append(("_handle_skip", orig))
+        return
+    # torch 2.11: every result leaves through __call__, a skip as a result without code
+    call = wrapper.__call__
+
+    def __call__(self, frame, *args, **kwargs):
+        result = call(self, frame, *args, **kwargs)
+        listen(result, frame, "no compiled code")
+        return result
+
+    wrapper.__call__ = __call__
+    _SKIPS_WATCHED.append(("__call__", call))
 
 
-def _heard(result, frame) -> None:
+def _heard(result, frame, uncompiled: str | None = None) -> None:
     """What Dynamo made of ``frame``: a frame of a tagged graph here that it skipped, or
-    compiled only in part, goes to :func:`skipped`."""
-    reason = getattr(result, "skip_reason", None)
+    compiled only in part, goes to :func:`skipped` (``uncompiled``: the reason to give
+    where the result has no code and says no reason, else such a result is not a skip)."""
+    reason = getattr(result, "skip_reason", None) or uncompiled
     code = getattr(getattr(result, "guarded_code", None), "code", None)
     if not _tagged_here(frame.f_code):
         return
