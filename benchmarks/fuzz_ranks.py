@@ -69,11 +69,12 @@ def _programs(args):
 
 def commit() -> str | None:
     """The checkout's commit (with '+' when its fxcoalesce/ or passes/ has edits), if git
-    is there, else $FXFUZZ_COMMIT (a copy of the tree without .git): what the run judged."""
+    is there; $FXFUZZ_COMMIT first where set (a copy of the tree whose .git, if any, is not
+    the code that runs): what the run judged."""
     import os
     import subprocess
 
-    if not (ROOT / ".git").exists():
+    if os.environ.get("FXFUZZ_COMMIT") or not (ROOT / ".git").exists():
         return os.environ.get("FXFUZZ_COMMIT")
 
     try:
