@@ -33,3 +33,17 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+SLOWEST_FIRST = ("test_fuzz_ranks.py", "test_rank_safety.py", "test_rank_order.py",
+                 "test_ranks.py", "test_agreement.py", "test_hf_tp.py", "test_smollm2_spec.py",
+                 "test_inspect_compose.py", "test_smollm2_cli.py", "test_smollm2.py",
+                 "test_codegen.py", "test_compile_cache.py", "test_job_life.py")
+"""The files that take longest (benchmarks/NOTES.md, the default run's time), longest first."""
+
+
+def pytest_collection_modifyitems(items):
+    """Run the longest files first: pytest-xdist (``--dist loadfile``, pyproject.toml) hands
+    files out in this order, so no worker is left with a long one at the end."""
+    first = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: first.get(item.path.name, len(first)))

@@ -3,7 +3,7 @@
 
 Default run: two of the nine fixed seeds on 2 ranks (DEFAULT: a flag one rank sets and a
 print inside a layer loop; a collective disabled on one rank), every recorded failure under
-tests/data/fuzz/, and the generator's own checks (no ranks); 15-30 s a seed while fxcoalesce
+tests/data/fuzz/ (its first variant, against plain; every variant in the slow run), and the generator's own checks (no ranks); 15-30 s a seed while fxcoalesce
 passes them (a hang costs the 30 s group timeout more).
 Slow run (``-m slow``): the other seven fixed seeds (together the nine draw every feature of
 the grammar; about 3.5 minutes in all on 2 shared cores) and FXCOALESCE_FUZZ_N fresh programs
@@ -77,13 +77,18 @@ def test_a_fixed_program_on_two_ranks(seed):
                                 f"recorded in {res.get('record')}")
 
 
-@pytest.mark.parametrize("path", record.replay_files(), ids=lambda p: p.stem)
-def test_a_recorded_failure_replays_right(path):
+@pytest.mark.parametrize("path,every", [pytest.param(p, False, id=p.stem)
+                                        for p in record.replay_files()] + [
+    pytest.param(p, True, id=f"{p.stem}-every", marks=pytest.mark.slow)
+    for p in record.replay_files()])
+def test_a_recorded_failure_replays_right(path, every):
+    """Default run: the first variant recorded, judged against plain; slow run (``every``):
+    every variant recorded, and plain against eager."""
     prog, rec = record.load(path)
-    res = record.fuzz_one(prog, tuple(rec["variants"]), group_timeout=rec["group_timeout"],
-                          failures_dir=None)
+    variants = tuple(rec["variants"]) if every else tuple(rec["variants"])[:1]
+    res = record.fuzz_one(prog, variants, eager=every, group_timeout=rec["group_timeout"])
     assert res["plain"]["outcome"] == "ok", res["plain"]
-    assert not _failures(res), (path.name, _failures(res))
+    assert not _failures(res), (path.name, _failures(res), f"recorded in {res.get('record')}")
 
 
 def test_the_generator_is_deterministic_and_draws_the_whole_grammar():

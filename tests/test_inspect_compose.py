@@ -52,7 +52,8 @@ def predicted(report: dict) -> list[tuple]:
 
 
 @pytest.mark.parametrize("model", [pytest.param("cohere", marks=pytest.mark.slow),
-                                   "deepseek_v3", "cohere2", "gemma3_text"])
+                                   "deepseek_v3", pytest.param("cohere2", marks=pytest.mark.slow),
+                                   "gemma3_text"])
 def test_composed_equals_the_full_trace(model, capsys, tmp_path):
     pytest.importorskip("transformers")
     args, (traced, depth) = MODELS[model]

@@ -230,7 +230,8 @@ def _limit_run(rank, world, hook="auto"):
     return out, [r.all_reduce["after"] for r in fxcoalesce.reports()]
 
 
-@pytest.mark.parametrize("hook", ["auto", "call", False], ids=["auto", "call", "warning_only"])
+@pytest.mark.parametrize("hook", ["auto", pytest.param("call", marks=pytest.mark.slow), False],
+                         ids=["auto", "call", "warning_only"])
 def test_the_recompile_limit_on_one_rank_for_a_rewrite_stops_every_rank_at_once(hook):
     """``warning_only``: a torch whose Dynamo has no skip hook to wrap (2.11, found by the
     fuzzer on the GPU machine, seeds 50008 and 50019: rank 1 got gloo's "Connection closed by
@@ -281,8 +282,9 @@ def _skip_run(rank, world, who, fn, hook="auto"):
     return out, [r.all_reduce["after"] for r in fxcoalesce.reports()]
 
 
-@pytest.mark.parametrize("hook", ["auto", "call"])
-@pytest.mark.parametrize("fn", ["looped", "looped_partly"])
+@pytest.mark.parametrize("fn,hook", [("looped", "auto"), ("looped_partly", "auto"),
+                                     ("looped", "call"),
+                                     pytest.param("looped_partly", "call", marks=pytest.mark.slow)])
 def test_a_skip_at_a_recompile_on_one_rank_stops_every_rank_at_once(fn, hook):
     """``call``: Dynamo's results heard at ``CatchErrorsWrapper.__call__``, as on torch 2.11,
     whose Dynamo has no ``_handle_skip`` (there rank 0 ran the frame uncompiled and gloo

@@ -131,6 +131,7 @@ def head(target):
     return draft
 
 
+@pytest.mark.slow  # 25-35 s of decoding; greedy equality stays in the default run
 def test_committed_head_accepts_long_paths(target, head):
     """The trained head on held-out prompts: tokens of the target's greedy decoding, and a
     mean accepted length above TAU_FLOOR (fails if the draft network, its weights or the way
