@@ -365,10 +365,18 @@ def announce() -> None:
         return
 
 
+LAST_OUT_S = 10.0
+"""How long rank 0 (where env:// puts the store) waits at exit, once a rank stopped on
+purpose, for every peer to have read why or to have ended (:func:`mark_exit`)."""
+
+
 def mark_exit() -> None:
     """At interpreter exit, leave ``gone/<rank>`` in the default group's store: a peer
     waiting for this rank's proposal stops at once (this rank will compile nothing more).
-    Bounded: a store that does not answer within 2 s is left alone."""
+    Where a rank stopped on purpose (``runtime``), rank 0 leaves last: a peer whose
+    collective with a stopped rank fails reads why from the store, which may live in rank
+    0's process (else it would see only the transport's error). Bounded: a store that does
+    not answer within 2 s is left alone, and the wait ends after :data:`LAST_OUT_S`."""
     import threading
 
     if not (dist.is_available() and dist.is_initialized()):
@@ -377,18 +385,30 @@ def mark_exit() -> None:
         if dist.get_backend() == "fake" or dist.get_world_size() < 2:
             return
         store, rank = dist.distributed_c10d._get_default_store(), dist.get_rank()
+        world = dist.get_world_size()
     except Exception:  # a group half torn down: nothing to say
         return
+    ns = _namespace()
+
+    def has(kind: str, r: int) -> bool:
+        return store.check([f"{ns}/{kind}/{r}"])
 
     def say():
         try:
-            store.set(f"{_namespace()}/gone/{rank}", "its process ended")
+            store.set(f"{ns}/gone/{rank}", "its process ended")
+            if rank != 0 or not any(has("stopped", r) for r in range(world)):
+                return
+            deadline = time.monotonic() + LAST_OUT_S
+            while time.monotonic() < deadline and not all(
+                    has("heard", r) or has("gone", r) or has("stopped", r)
+                    for r in range(1, world)):
+                time.sleep(POLL_S[1])
         except Exception:  # the store's host is gone too
             pass
 
     t = threading.Thread(target=say, daemon=True)
     t.start()
-    t.join(2.0)
+    t.join(2.0 + (LAST_OUT_S if rank == 0 else 0.0))
 
 
 atexit.register(mark_exit)
