@@ -67,22 +67,15 @@ class _RecompileLimit(logging.Handler):
 
 def _compiling_scope(key: str) -> dict | None:
     """The locals and globals (``L``, ``G``) of the frame Dynamo is compiling, read off the
-    Python stack of its recompile-limit warning (no skip hook on this torch: 2.11): a frame
-    object whose code is ``key``'s, or a code object beside the dicts it runs with."""
+    Python stack of its recompile-limit warning (no skip hook to wrap): the frame object
+    whose code is ``key``'s, which Dynamo's callers hold."""
     import sys
-    import types
 
     caller = sys._getframe(1)
     while caller is not None:
-        names = caller.f_locals
-        for v in names.values():
+        for v in caller.f_locals.values():
             if hasattr(v, "f_code") and hasattr(v, "f_locals") and _key(v.f_code) == key:
                 return {"L": v.f_locals, "G": v.f_globals}
-        code = next((v for v in names.values() if isinstance(v, types.CodeType)
-                     and _key(v) == key), None)
-        if code is not None and isinstance(names.get("locals"), dict) \
-                and isinstance(names.get("globals"), dict):
-            return {"L": names["locals"], "G": names["globals"]}
         caller = caller.f_back
     return None
 
