@@ -46,6 +46,9 @@ def _args(argv):
     ap.add_argument("--out", type=Path, help="directory for summary.json, summary.md, failures/")
     ap.add_argument("--resume", type=Path, metavar="SUMMARY_JSON",
                     help="a stopped run's summary.json: keep its results, skip its seeds")
+    ap.add_argument("--stop-after", type=float, metavar="S",
+                    help="start no program after S seconds (those running finish; --resume "
+                         "runs the rest)")
     ap.add_argument("-v", "--verbose", action="store_true",
                     help="print each program and each run's statuses; keep the run files")
     return ap.parse_args(argv)
@@ -108,7 +111,7 @@ def summarize(results: list[dict], args, started: float) -> dict:
     import torch
 
     return {"args": {k: str(v) for k, v in vars(args).items()
-                     if k not in ("earlier", "earlier_wall")},
+                     if k not in ("earlier", "earlier_wall", "stop_after")},
             "torch": torch.__version__, "commit_start": args.commit_start, "commit_end": commit(),
             "programs": len(results), "wall_s": round(time.monotonic() - started),
             "counts": {k: dict(v) for k, v in counts.items()},
@@ -161,7 +164,11 @@ def main(argv=None) -> int:
                       f"{len(programs) + len(args.earlier)} "
                       f"programs done, {bad} failures", flush=True)
 
+    sitting = time.monotonic()
+
     def one(prog):
+        if args.stop_after is not None and time.monotonic() - sitting > args.stop_after:
+            return None  # left for --resume
         if args.verbose:
             print(f"--- seed {prog.seed}, world {prog.world}, inductor {prog.inductor}\n"
                   f"{prog.text}", flush=True)
@@ -178,6 +185,8 @@ def main(argv=None) -> int:
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
         for fut in as_completed([pool.submit(one, p) for p in programs]):
             res = fut.result()
+            if res is None:
+                continue
             with lock:
                 results.append(res)
                 outcomes = {v: r["outcome"] for v, r in res["variants"].items()}

@@ -16,7 +16,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import zygote
+
 ROOT = Path(__file__).resolve().parents[2]
+# set per run and per rank; read by nothing zygote.PRELOAD imports
+_PER_RUN = ("MASTER_PORT", "FUZZ_PORTS", "WORLD_SIZE", "FUZZ_VARIANT", "FUZZ_INDUCTOR",
+            "FUZZ_GROUP_TIMEOUT", "TORCHINDUCTOR_CACHE_DIR", "RANK", "FUZZ_RESULTS")
 
 
 @dataclass
@@ -104,18 +109,23 @@ def _run_once(text, variant, world, inductor, group_timeout, wall_s, workdir, en
             "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1",
             # a fresh compile cache per run: a replay starts from where the run started
             "TORCHINDUCTOR_CACHE_DIR": str(work / "inductor-cache")}
+    shared = {k: v for k, v in base.items() if k not in _PER_RUN}  # what the imports see
     procs = []
     t0 = time.monotonic()
     for rank in range(world):
         for name in ("results.jsonl", "stderr.txt", "stdout.txt"):
             (work / f"rank{rank}.{name}").unlink(missing_ok=True)
-        with open(work / f"rank{rank}.stdout.txt", "w") as out, \
-                open(work / f"rank{rank}.stderr.txt", "w") as err:
-            procs.append(subprocess.Popen(
-                [sys.executable, str(script)], cwd=work, stdout=out, stderr=err,
-                env={**base, "RANK": str(rank), "FUZZ_RESULTS": str(work / f"rank{rank}."
-                                                                       "results.jsonl")},
-                start_new_session=True))
+        env_r = {**base, "RANK": str(rank),
+                 "FUZZ_RESULTS": str(work / f"rank{rank}.results.jsonl")}
+        out, err = work / f"rank{rank}.stdout.txt", work / f"rank{rank}.stderr.txt"
+        if zygote.usable():
+            procs.append(zygote.fork(rank, str(script), str(work), env_r, str(out), str(err),
+                                     shared))
+            continue
+        with open(out, "w") as out_f, open(err, "w") as err_f:
+            procs.append(subprocess.Popen([sys.executable, str(script)], cwd=work,
+                                          stdout=out_f, stderr=err_f, env=env_r,
+                                          start_new_session=True))
     timed_out = False
     while any(p.poll() is None for p in procs):
         if time.monotonic() - t0 > wall_s:
