@@ -47,3 +47,20 @@ def test_rank_that_dies_without_an_exception_is_reported():
     with pytest.raises(RankError, match=r"^rank 1: its process exited with code 3 before"):
         spawn(_rank_1_dies_while_0_waits, 2, backend="gloo", timeout=120)
     assert multiprocessing.active_children() == []
+
+
+def _config_seen(rank, world):
+    import torch._inductor.config as c
+
+    return c.size_asserts, os.environ.get("TORCHINDUCTOR_SIZE_ASSERTS")
+
+
+def test_a_variable_read_at_import_gets_fresh_ranks(monkeypatch):
+    """The fork server imported Inductor with the environment it started with: a spawn that
+    changes a variable Inductor's config reads at import gets ranks that import anew."""
+    assert spawn(_config_seen, 2, backend="gloo", timeout=120)[0] == (True, None)
+    got = spawn(_config_seen, 2, backend="gloo", timeout=120,
+                env={"TORCHINDUCTOR_SIZE_ASSERTS": "0"})
+    assert got == [(False, "0")] * 2
+    monkeypatch.setenv("TORCHINDUCTOR_SIZE_ASSERTS", "0")
+    assert spawn(_config_seen, 2, backend="gloo", timeout=120)[1] == (False, "0")

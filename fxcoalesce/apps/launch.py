@@ -228,17 +228,36 @@ def _ranks_ignore_sigint():
         signal.signal(signal.SIGINT, signal.default_int_handler if before is None else before)
 
 
-PRELOAD = ["torch", "torch.distributed"]
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch._inductor.compile_fx"]
 """What the ranks' fork server imports once (``forkserver``): each rank then starts without
-importing torch again (1.5-2 s of CPU a rank on these cores; the tests start hundreds)."""
+importing torch, Dynamo and Inductor again (3-3.5 s of CPU a rank on these cores; the tests
+start hundreds)."""
+
+_READ_AT_IMPORT = ("TORCH", "PYTORCH", "OMP_", "MKL_")
+"""Variables those imports may read once, at import (``TORCH_LOGS``, ``TORCHINDUCTOR_*``
+config, thread counts): a spawn whose environment differs in them from the server's start
+gets fresh processes (``spawn``) instead."""
+_READ_LATER = frozenset({"TORCHINDUCTOR_CACHE_DIR", "TORCHELASTIC_RESTART_COUNT",
+                         "TORCH_SYMM_MEM_DISABLE_MULTICAST"})
+_server_env: dict[str, str] | None = None
 
 
-def _context():
-    """Ranks fork from a server that imported torch (``forkserver``, Linux); ``spawn``
-    elsewhere. Only modules that read no environment at import: each rank takes the
-    parent's environment as it is at the spawn (:func:`_entry`), not the server's."""
-    if "forkserver" not in mp.get_all_start_methods():
+def _import_env(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k.startswith(_READ_AT_IMPORT)
+            and k not in _READ_LATER}
+
+
+def _context(env: dict[str, str] | None = None):
+    """Ranks fork from a server that imported :data:`PRELOAD` (``forkserver``, Linux) where
+    the environment those imports read is the one the server started with; ``spawn``
+    elsewhere. Each rank takes the parent's environment as it is at the spawn
+    (:func:`_entry`), not the server's."""
+    global _server_env
+    wanted = _import_env({**os.environ, **(env or {})})
+    if "forkserver" not in mp.get_all_start_methods() or \
+            _server_env not in (None, wanted):
         return mp.get_context("spawn")
+    _server_env = wanted
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     return ctx
@@ -256,7 +275,7 @@ def spawn(fn, world_size: int, args: tuple = (), backend: str | None = None,
     raised as :class:`RankError`, after every other rank has been stopped.
     """
     backend = backend or default_backend(world_size=world_size)
-    ctx = _context()
+    ctx = _context(env)
     queue, done = ctx.Queue(), ctx.Event()
     port = free_port()
     with _ranks_ignore_sigint() as ignore:
