@@ -24,6 +24,17 @@ Sequence = list[tuple[str | None, str]]
 class CollectiveMismatchError(RuntimeError):
     """Ranks of one group would issue different collective sequences."""
 
+    def __init__(self, *args):
+        super().__init__(*args)
+        RAISED[0] = True
+        from .exchange import cancel_interrupt
+
+        cancel_interrupt()  # this rank says it itself: no second error from the store
+
+
+RAISED = [False]
+"""This process made a :class:`CollectiveMismatchError` (its heartbeat then sends it none)."""
+
 
 def groups_of(sequence: Sequence) -> list[str]:
     """Group names a sequence uses, in a rank-invariant order (collectives of opaque ops name

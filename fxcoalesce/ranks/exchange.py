@@ -64,8 +64,10 @@ class Exchange:
         return (i - 1) % (2 ** TAG_BITS - 1) + 1
 
     def stop(self, why: str) -> None:
-        """Say that this rank stops on purpose, and why (``runtime``)."""
+        """Say that this rank stops on purpose, and why (``runtime``); ``stopped/any``
+        tells every peer's heartbeat to look (:func:`_heard_a_stop`)."""
         self.store.set(self._key("stopped", self.rank), why)
+        self.store.set(self._key("stopped", "any"), str(self.rank))
 
     def stopped(self) -> str | None:
         """Why a rank of this store stopped on purpose, if one did (the first found)."""
@@ -292,11 +294,63 @@ def heartbeat() -> None:
                     store.set(f"{_namespace()}/at/{dist.get_rank()}", now)
                     last = {id(store): now}
                     _KEPT[id(store)] = store
+                _heard_a_stop(store)
             except Exception:  # a group torn down or made meanwhile: look again later
                 continue
 
     _BEAT.append(threading.Thread(target=beat, daemon=True, name="fxcoalesce-heartbeat"))
     _BEAT[0].start()
+
+
+_INTERRUPTED: list = []
+"""Why this rank's main thread was sent a :class:`CollectiveMismatchError` (once)."""
+_EXITING = [False]
+
+
+def _heard_a_stop(store) -> None:
+    """A peer stopped on purpose (:meth:`Exchange.stop`) and this rank has not raised: send
+    its main thread the peer's error, raised at its next Python instruction. The rank may be
+    where no fxcoalesce code runs: in an eager collective with the stopped rank (which then
+    fails with the transport's error once that rank's process ends: the peer waits at exit
+    until every rank has read why, :func:`mark_exit`), or in code that would reach one."""
+    import threading
+
+    from .check import RAISED
+
+    if _INTERRUPTED or RAISED[0] or _EXITING[0] or not store.check(
+            [f"{_namespace()}/stopped/any"]):
+        return
+    why = Exchange(store, dist.get_rank(), _namespace()).stopped()  # says "heard"
+    main = threading.main_thread()
+    if not why or not main.is_alive() or threading.current_thread() is main:
+        return
+    _INTERRUPTED.append(why)
+    _send(main.ident, f"fxcoalesce: {why} (read from the store: this rank ran code outside "
+                      "fxcoalesce's graphs, such as an eager collective, when it stopped)")
+
+
+def _send(thread_id: int, message: str) -> None:
+    import ctypes
+
+    from .check import CollectiveMismatchError
+
+    def init(self, *args):
+        CollectiveMismatchError.__init__(self, message)
+
+    cls = type("CollectiveMismatchError", (CollectiveMismatchError,),
+               {"__init__": init, "__module__": CollectiveMismatchError.__module__})
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), ctypes.py_object(cls))
+
+
+def cancel_interrupt() -> None:
+    """The main thread raises a :class:`CollectiveMismatchError` of its own: drop one sent
+    by :func:`_heard_a_stop` and not yet raised."""
+    import ctypes
+    import threading
+
+    if _INTERRUPTED and threading.current_thread() is threading.main_thread():
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(
+            ctypes.c_ulong(threading.main_thread().ident), None)
 
 
 _KEPT: dict[int, object] = {}
@@ -366,19 +420,22 @@ def announce() -> None:
 
 
 LAST_OUT_S = 10.0
-"""How long rank 0 (where env:// puts the store) waits at exit, once a rank stopped on
-purpose, for every peer to have read why or to have ended (:func:`mark_exit`)."""
+"""How long a rank waits at exit, once a rank stopped on purpose, for every peer to have
+read why or to have ended (:func:`mark_exit`)."""
 
 
 def mark_exit() -> None:
     """At interpreter exit, leave ``gone/<rank>`` in the default group's store: a peer
     waiting for this rank's proposal stops at once (this rank will compile nothing more).
-    Where a rank stopped on purpose (``runtime``), rank 0 leaves last: a peer whose
-    collective with a stopped rank fails reads why from the store, which may live in rank
-    0's process (else it would see only the transport's error). Bounded: a store that does
-    not answer within 2 s is left alone, and the wait ends after :data:`LAST_OUT_S`."""
+    Where a rank stopped on purpose (``runtime``), every rank leaves only once every peer
+    has read why (or ended): a peer in a collective with this rank fails when this process
+    ends, and must have its error from the store first (its heartbeat reads it,
+    :func:`_heard_a_stop`); the store itself may live in this process (rank 0 under
+    env://). Bounded: a store that does not answer within 2 s is left alone, and the wait
+    ends after :data:`LAST_OUT_S`."""
     import threading
 
+    _EXITING[0] = True
     if not (dist.is_available() and dist.is_initialized()):
         return
     try:
@@ -390,25 +447,25 @@ def mark_exit() -> None:
         return
     ns = _namespace()
 
-    def has(kind: str, r: int) -> bool:
+    def has(kind: str, r) -> bool:
         return store.check([f"{ns}/{kind}/{r}"])
 
     def say():
         try:
             store.set(f"{ns}/gone/{rank}", "its process ended")
-            if rank != 0 or not any(has("stopped", r) for r in range(world)):
+            if not has("stopped", "any"):
                 return
             deadline = time.monotonic() + LAST_OUT_S
             while time.monotonic() < deadline and not all(
                     has("heard", r) or has("gone", r) or has("stopped", r)
-                    for r in range(1, world)):
+                    for r in range(world) if r != rank):
                 time.sleep(POLL_S[1])
         except Exception:  # the store's host is gone too
             pass
 
     t = threading.Thread(target=say, daemon=True)
     t.start()
-    t.join(2.0 + (LAST_OUT_S if rank == 0 else 0.0))
+    t.join(2.0 + LAST_OUT_S)
 
 
 atexit.register(mark_exit)

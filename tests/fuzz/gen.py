@@ -305,7 +305,8 @@ def _render(d: _Draw, dtype, group_lines, head, seq, kw, regroup) -> str:
     if d.p(0.4):
         d.feature("eager.all_reduce")
         lines += ["        loss = out.float().sum().reshape(1)", "        dist.all_reduce(loss)",
-                  '        rec.out("loss", loss)']
+                  '        rec.out("loss", loss, scale=out.float().abs().sum() * '
+                  'dist.get_world_size())']
     if d.p(0.25):
         d.feature("eager.broadcast")
         lines += ["        metric = out.float().abs().mean().reshape(1)",

@@ -143,14 +143,18 @@ class _Record:
     def __init__(self, entry: dict):
         self.entry = entry
 
-    def out(self, name: str, value) -> None:
-        """Record a tensor (an async collective's result is waited for first)."""
+    def out(self, name: str, value, scale=None) -> None:
+        """Record a tensor (an async collective's result is waited for first). ``scale``:
+        for a sum, the sum of its terms' sizes (the oracle's tolerance follows it: each
+        term may carry the rounding of a reassociated sum)."""
         if hasattr(value, "wait") and callable(value.wait):
             value = value.wait()
         value = value.detach()
         self.entry["outs"][name] = [str(value.dtype).removeprefix("torch."),
                                     list(value.shape),
                                     value.to(torch.float64).flatten().tolist()]
+        if scale is not None:
+            self.entry["outs"][name].append(float(scale))
 
 
 def _types(e: BaseException) -> list[str]:

@@ -62,12 +62,13 @@ class Verdict:
 def close(got, want, compute: str = "float32") -> tuple[bool, float]:
     """Recorded outputs ([dtype, shape, values]): (close, the largest error over what the
     dtype allows). ``compute``: the program's dtype (a loss summed in float32 from a bf16
-    output carries bf16's rounding)."""
-    (dtype, shape, g), (wdtype, wshape, w) = got, want
+    output carries bf16's rounding). A recorded sum's fourth field is the sum of its
+    terms' sizes: each term may be off by the tolerance, so the sum by that times this."""
+    (dtype, shape, g, *gs), (wdtype, wshape, w, *ws) = got, want
     if (dtype, shape) != (wdtype, wshape) or len(g) != len(w):
         return False, math.inf
     tol = max(TOL.get(dtype, 1e-4), TOL.get(compute, 1e-4))
-    scale = max([1.0] + [abs(x) for x in w if math.isfinite(x)])
+    scale = max([1.0, *ws] + [abs(x) for x in w if math.isfinite(x)])
     worst = 0.0
     for a, b in zip(g, w):
         if math.isnan(a) and math.isnan(b) or a == b:
