@@ -107,6 +107,8 @@ def _run_once(text, variant, world, inductor, group_timeout, wall_s, workdir, en
             "FUZZ_VARIANT": variant, "FUZZ_INDUCTOR": "1" if inductor else "0",
             "FUZZ_GROUP_TIMEOUT": str(group_timeout), "GLOO_SOCKET_IFNAME": "lo",
             "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1",
+            # CPU programs: on a GPU machine, no CUDA (a zygote's fork could not start it)
+            "CUDA_VISIBLE_DEVICES": "",
             # a fresh compile cache per run: a replay starts from where the run started
             "TORCHINDUCTOR_CACHE_DIR": str(work / "inductor-cache")}
     shared = {k: v for k, v in base.items() if k not in _PER_RUN}  # what the imports see
