@@ -64,3 +64,13 @@ def test_a_variable_read_at_import_gets_fresh_ranks(monkeypatch):
     assert got == [(False, "0")] * 2
     monkeypatch.setenv("TORCHINDUCTOR_SIZE_ASSERTS", "0")
     assert spawn(_config_seen, 2, backend="gloo", timeout=120)[1] == (False, "0")
+
+
+def test_ranks_start_fresh_where_cuda_is(monkeypatch):
+    """A rank forked from the server could not start CUDA (the GPU machine): spawn there."""
+    import torch
+
+    from fxcoalesce.apps import launch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert launch._context().get_start_method() == "spawn"

@@ -248,14 +248,16 @@ def _import_env(env: dict[str, str]) -> dict[str, str]:
 
 
 def _context(env: dict[str, str] | None = None):
-    """Ranks fork from a server that imported :data:`PRELOAD` (``forkserver``, Linux) where
-    the environment those imports read is the one the server started with; ``spawn``
-    elsewhere. Each rank takes the parent's environment as it is at the spawn
+    """Ranks fork from a server that imported :data:`PRELOAD` (``forkserver``, Linux, no
+    CUDA) where the environment those imports read is the one the server started with;
+    ``spawn`` elsewhere. Each rank takes the parent's environment as it is at the spawn
     (:func:`_entry`), not the server's."""
     global _server_env
     wanted = _import_env({**os.environ, **(env or {})})
     if "forkserver" not in mp.get_all_start_methods() or \
-            _server_env not in (None, wanted):
+            _server_env not in (None, wanted) or torch.cuda.is_available():
+        # CUDA: a rank forked from the server could not start it ("Cannot re-initialize
+        # CUDA in forked subprocess", found on the GPU machine): fresh processes there
         return mp.get_context("spawn")
     _server_env = wanted
     ctx = mp.get_context("forkserver")
