@@ -27,9 +27,10 @@ class CollectiveMismatchError(RuntimeError):
     def __init__(self, *args):
         super().__init__(*args)
         RAISED[0] = True
-        from .exchange import cancel_interrupt
+        from .exchange import cancel_interrupt, say_stopped
 
         cancel_interrupt()  # this rank says it itself: no second error from the store
+        say_stopped(str(self))  # and every peer hears it, even one outside the pairing
 
 
 RAISED = [False]

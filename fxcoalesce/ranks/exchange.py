@@ -64,10 +64,12 @@ class Exchange:
         return (i - 1) % (2 ** TAG_BITS - 1) + 1
 
     def stop(self, why: str) -> None:
-        """Say that this rank stops on purpose, and why (``runtime``); ``stopped/any``
-        tells every peer's heartbeat to look (:func:`_heard_a_stop`)."""
+        """Say that this rank stops on purpose, and why (``runtime``; any
+        ``CollectiveMismatchError``, :func:`say_stopped`); ``stopped/any`` tells every
+        peer's heartbeat to look (:func:`_heard_a_stop`)."""
         self.store.set(self._key("stopped", self.rank), why)
         self.store.set(self._key("stopped", "any"), str(self.rank))
+        _SAID.append(why)
 
     def stopped(self) -> str | None:
         """Why a rank of this store stopped on purpose, if one did (the first found)."""
@@ -340,6 +342,24 @@ def _send(thread_id: int, message: str) -> None:
     cls = type("CollectiveMismatchError", (CollectiveMismatchError,),
                {"__init__": init, "__module__": CollectiveMismatchError.__module__})
     ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), ctypes.py_object(cls))
+
+
+_SAID: list = []
+"""What this process said when it stopped (:meth:`Exchange.stop`)."""
+
+
+def say_stopped(message: str) -> None:
+    """This rank raises a ``CollectiveMismatchError``: say so in the store, unless it did
+    already (a rank that fails a check at run time, or stops at compile time, may be the
+    only one of its pairing that knows; ranks in other groups hear it from the store)."""
+    if _SAID or not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        if dist.get_backend() == "fake" or dist.get_world_size() < 2:
+            return
+        process_env().exchange.stop(message.removeprefix("fxcoalesce: "))
+    except Exception:  # the store went with a peer: its own transport error says enough
+        return
 
 
 def cancel_interrupt() -> None:

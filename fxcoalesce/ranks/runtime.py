@@ -177,6 +177,8 @@ def _runs_original(new, orig) -> bool:
 
 
 _TAIL = 8
+_RETIRED_WHY: dict[str, str] = {}
+"""Why a function (``exchange.family``) was retired, where not for its cuts."""
 _PARTLY = "partly"
 """The reason :func:`skipped` hears where Dynamo runs the rest of a frame uncompiled."""
 
@@ -215,8 +217,13 @@ def _stop(key: str, scope: dict | None, reason: str) -> None:
         wait = min(60.0, 0.5 * (group_timeout_s(default_group()) or 120.0))
         vote = env.exchange.skip_vote(key, peers - {rank}, groups, wait)
         if vote is None:
+            # Dynamo still runs a compiled graph of it wherever its guards match again (a
+            # peer's may while this rank's never do): every rank retires them here
+            RETIRED.add(family(key))
+            _RETIRED_WHY[family(key)] = "Dynamo runs it uncompiled on every rank"
             log.warning("fxcoalesce: every rank runs %s uncompiled from here (%s), so each "
-                        "issues the program's own collectives there", name,
+                        "issues the program's own collectives there, and runs its rewritten "
+                        "graphs, where Dynamo still calls them, in that order", name,
                         f"Dynamo's {limit[0]}" if limit else
                         "a graph break Dynamo cannot resume from" if reason == _PARTLY else
                         reason[:100])
@@ -428,12 +435,14 @@ class Guarded:
             _stop_peers(checks_of(self.checked), graph_symbols(self.gm, args), failed)
 
     def _retire(self) -> None:
-        """The ranks saw this graph's function cut in two ways and retired its rewritten
-        graphs together (``exchange``, "cut varies"): run the program's own order, untagged,
-        as the function's later graphs do on every rank."""
-        log.warning("fxcoalesce[%s]: its function is cut into graphs in more than one way, so "
-                    "every rank runs its rewritten graphs in the program's own order from now "
-                    "on (eagerly)", self.name)
+        """The ranks retired this graph's function's rewritten graphs together: they saw it
+        cut in two ways (``exchange``, "cut varies"), or every rank's Dynamo runs it
+        uncompiled from a call on (:func:`_stop`). Run the program's own order, untagged,
+        as the function's later graphs, or its uncompiled runs, do on every rank."""
+        log.warning("fxcoalesce[%s]: %s, so every rank runs its rewritten graphs in the "
+                    "program's own order from now on (eagerly)", self.name,
+                    _RETIRED_WHY.get(self.family, "its function is cut into graphs in more "
+                                                  "than one way"))
         self.retirable = False
         self.run = ProgramOrder(self.gm, self.name)
 
