@@ -215,7 +215,10 @@ def _stop(key: str, scope: dict | None, reason: str) -> None:
     peers = _members(groups)
     if scope is not None:
         wait = min(60.0, 0.5 * (group_timeout_s(default_group()) or 120.0))
-        vote = env.exchange.skip_vote(key, peers - {rank}, groups, wait)
+        # a peer that runs it compiled may be blocked in a collective of a group that is
+        # not checked (an all_gather first there: fuzz seed 90026, a 20 s vote): watch all
+        watched = groups | {g for guarded in OPENS.get(key, []) for g in guarded.issues_on}
+        vote = env.exchange.skip_vote(key, peers - {rank}, watched, wait)
         if vote is None:
             # Dynamo still runs a compiled graph of it wherever its guards match again (a
             # peer's may while this rank's never do): every rank retires them here
@@ -396,6 +399,12 @@ class Guarded:
             from ..graph_compile import OPENS, checks_of
 
             self.groups = {e[0] for e in checks_of(self.checked)}
+            from ..collectives import group_of, is_collective
+
+            self.issues_on = {group_of(n) for n in self.checked.graph.nodes
+                              if is_collective(n)} - {None}
+            """Every group it issues a collective on, checked or not: where a peer that
+            runs it shows its position (:func:`_stop`'s vote)."""
             OPENS.setdefault(job.frame, []).append(self)
             del OPENS[job.frame][:-8]
         self.retirable = bool(self.family and graphs) and any(
