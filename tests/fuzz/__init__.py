@@ -21,8 +21,9 @@ source of a whole script that one process per rank runs, of the kinds users writ
   ranks beyond it stop), then the same compiled function called again;
 - 3-8 steps mostly, sometimes tens, now and then hundreds; a second compiled function.
 
-**How it runs** (``runner``, ``harness``): each program runs on 2 or 4 gloo ranks on CPU,
-one OS process each, under eager (``torch.compile`` left out), plain ``torch.compile``
+**How it runs** (``runner``, ``harness``, ``zygote``): each program runs on 2 or 4 gloo
+ranks on CPU, one OS process each (forked from an interpreter that imported torch, Dynamo
+and Inductor once: half the time; ``FXFUZZ_SPAWN=exec`` for ``python program.py``), under eager (``torch.compile`` left out), plain ``torch.compile``
 (``backend="aot_eager"``), ``fxcoalesce.backend(Config(codegen="eager"))`` and the same with
 ``check_ranks=True``; about one program in ten (``--inductor always`` for all) uses real
 Inductor instead: ``backend="inductor"``, ``backend="fxcoalesce"`` and
