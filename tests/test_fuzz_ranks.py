@@ -17,6 +17,7 @@ side by side):
 from __future__ import annotations
 
 import collections
+import json
 import random
 from concurrent.futures import ThreadPoolExecutor
 
@@ -77,8 +78,14 @@ def test_a_fixed_program_on_two_ranks(seed):
                                 f"recorded in {res.get('record')}")
 
 
-@pytest.mark.parametrize("path,every", [pytest.param(p, False, id=p.stem)
-                                        for p in record.replay_files()] + [
+def _slow_only(path) -> bool:
+    """A record marked ``slow_only`` (its class replays in the default run through another)."""
+    return bool(json.loads(path.read_text()).get("slow_only"))
+
+
+@pytest.mark.parametrize("path,every", [
+    pytest.param(p, False, id=p.stem, marks=pytest.mark.slow if _slow_only(p) else ())
+    for p in record.replay_files()] + [
     pytest.param(p, True, id=f"{p.stem}-every", marks=pytest.mark.slow)
     for p in record.replay_files()])
 def test_a_recorded_failure_replays_right(path, every):
