@@ -7,7 +7,7 @@ COMM_REORDER_RIGHT_FROM = (2, 14)
 """The first torch whose Inductor comm reordering passes (``raise_comms``, ``sink_waits``)
 keep KV-cache writes in order; before, they ran a write after the read that needed it
 (kimi-k2-tiny's logits off by ~2). The canary:
-``tests/test_ranks.py::test_inductor_comm_reorder_passes_by_torch_version``."""
+``tests/test_ranks.py::test_inductor_comm_reorder_passes_right_from_2_14``."""
 
 COMM_REORDER_PASSES = ("sink_waits", "raise_comms", "reorder_compute_for_overlap")
 

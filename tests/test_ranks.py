@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 import fxcoalesce
-from fxcoalesce.torch_releases import COMM_REORDER_RIGHT_FROM, torch_version
+from fxcoalesce.torch_releases import COMM_REORDER_RIGHT_FROM, comm_reorder_options, torch_version
 from fxcoalesce.apps.launch import spawn
 
 
@@ -116,24 +116,36 @@ def test_compiled_verify_matches_eager(options):
         assert err < 1e-4
 
 
+@pytest.mark.skipif(torch_version() < COMM_REORDER_RIGHT_FROM,
+                    reason="the passes stay off before torch 2.14 (test below)")
 @pytest.mark.parametrize("passes", [["raise_comms"],
                                     pytest.param(["sink_waits"], marks=pytest.mark.slow)])
-def test_inductor_comm_reorder_passes_by_torch_version(passes):
-    """Canary of an upstream bug: Inductor's raise_comms and sink_waits scheduler passes
-    mis-ordered KV-cache writes before torch 2.14 (logits off by ~2), and are right since.
-    Either side of the version changing its answer fails here: the backend runs them after its
-    passes from 2.14 on (``torch_releases.comm_reorder_options``) and keeps them off before."""
+def test_inductor_comm_reorder_passes_right_from_2_14(passes):
+    """Inductor's raise_comms and sink_waits scheduler passes, which the backend runs after its
+    passes from torch 2.14 on (``torch_releases.comm_reorder_options``), keep the KV-cache
+    writes of kimi-k2-tiny's verify step in order. Before 2.14 they ran a write after the read
+    that needed it (logits off by 2.31, measured on 2.13.0 with Inductor's peak-memory
+    reordering on); right on 2.14.1 and 2.15.0."""
     overlap = {"reorder_for_compute_comm_overlap": True,
                "reorder_for_compute_comm_overlap_passes": passes,
-               # compiled here, never served from a cache an earlier test filled without
-               # the passes (in the whole suite it once came back right on 2.13 that way)
+               # compiled here, never served from a cache an earlier test filled without them
                "fx_graph_cache": False}
-    # without the run-time tags: their checks add dependencies that happen to keep the
-    # writes in order on 2.13 too (measured: 4e-6), and the canary is about Inductor's passes
+    # without the run-time tags: their checks turn off Inductor's peak-memory reordering
+    # (graph_compile), without which the passes kept the writes in order even on 2.13
     errs = spawn(_against_eager, 2, ({"run_checks": False}, overlap), backend="gloo")
-    # measured: wrong on 2.13.0, right on 2.15.0 (and, by the issue's run, on 2.14.1)
+    assert max(errs) < 1e-4
+
+
+def test_comm_reorder_passes_off_before_2_14():
+    """Before torch 2.14 the backend leaves Inductor's comm reordering passes off. The wrong
+    logits they gave on 2.13.0 (2.31 off) are not asserted here: twice in the whole suite on
+    CI the same compile came back right (4.6e-6, the value with either reordering off), so a
+    canary of the upstream bug failed at random; benchmarks/NOTES.md has the measurements."""
+    import torch._inductor.config as inductor_config
+
     if torch_version() >= COMM_REORDER_RIGHT_FROM:
-        assert max(errs) < 1e-4
+        assert comm_reorder_options()["reorder_for_compute_comm_overlap_passes"]
     else:
-        assert max(errs) > 1e-2  # still wrong: when this fails, upstream fixed it here too
+        assert comm_reorder_options() == {}
+        assert inductor_config.reorder_for_compute_comm_overlap is False
 
