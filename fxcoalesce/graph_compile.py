@@ -225,6 +225,38 @@ def checks_of(gm) -> list[tuple]:
     return entries
 
 
+STAND_IN_KINDS = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather",
+                  "reduce_scatter_tensor": "reduce_scatter"}
+"""The collectives a rank that stops can stand in for with zeros (:func:`stand_ins_of`)."""
+
+
+def stand_ins_of(gm, world: frozenset[int] | None) -> list[tuple]:
+    """The collectives a tagged graph ``gm`` issues before its first checked all_reduce, as
+    (kind, group, op, dtype, elements, device), where a rank that stops may send zeros in
+    them: its peers, blocked there (an all_gather first on a group: fuzz seed 90026), then
+    reach the check that fails. Sound only where that check's group is every rank of the
+    ``world``: each rank holding a value built on the zeros fails that check, or waits
+    before it, and none returns one. [] where it is not, where the graph has no check, or
+    where a collective before it is of another kind (none is sent: as before)."""
+    from fxcoalesce.collectives import is_collective, op_name
+    from fxcoalesce.meta import tensor_val
+    from fxcoalesce.ranks.tag import CHECKED, group_members
+
+    out = []
+    for n in gm.graph.nodes:
+        if not is_collective(n):
+            continue
+        group, val = group_of_node(n), tensor_val(n.args[0])
+        if n.meta.get(CHECKED) is not None:
+            return out if world is not None and group_members(group) == world else []
+        kind = STAND_IN_KINDS.get(op_name(n))
+        if kind is None or val is None or group is None:
+            return []
+        op = str(n.args[1]) if kind != "all_gather" else ""
+        out.append((kind, group, op, val.dtype, val.numel(), str(val.device)))
+    return []
+
+
 OPENS: dict = {}
 """Frame -> its tagged graphs on this rank (``runtime.Guarded``, the latest last): a frame
 here has run a tagged graph on this rank."""

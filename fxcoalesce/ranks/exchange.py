@@ -130,11 +130,9 @@ class Exchange:
     def heard(self, peers: set[int], wait_s: float) -> None:
         """Wait (at most ``wait_s``) until ``peers`` have read why this rank stopped: the
         store may live in this process, and go with it."""
-        deadline = time.monotonic() + wait_s
         try:
-            while time.monotonic() < deadline and not all(
-                    self.store.check([self._key("heard", q)]) for q in peers):
-                time.sleep(POLL_S[1])
+            _await_every(lambda kind, q: self.store.check([self._key(kind, q)]), peers,
+                         ("heard",), wait_s)
         except Exception:  # the store went with the peer that hosted it: it has read
             return
 
@@ -444,6 +442,15 @@ LAST_OUT_S = 10.0
 read why or to have ended (:func:`mark_exit`)."""
 
 
+def _await_every(has, peers: set[int], kinds: tuple[str, ...], wait_s: float) -> None:
+    """Wait (at most ``wait_s``) until each of ``peers`` has left a key of one of ``kinds``
+    (``has(kind, rank)``) in the store."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline and not all(
+            any(has(kind, q) for kind in kinds) for q in peers):
+        time.sleep(POLL_S[1])
+
+
 def mark_exit() -> None:
     """At interpreter exit, leave ``gone/<rank>`` in the default group's store: a peer
     waiting for this rank's proposal stops at once (this rank will compile nothing more).
@@ -475,11 +482,8 @@ def mark_exit() -> None:
             store.set(f"{ns}/gone/{rank}", "its process ended")
             if not has("stopped", "any"):
                 return
-            deadline = time.monotonic() + LAST_OUT_S
-            while time.monotonic() < deadline and not all(
-                    has("heard", r) or has("gone", r) or has("stopped", r)
-                    for r in range(world) if r != rank):
-                time.sleep(POLL_S[1])
+            _await_every(has, set(range(world)) - {rank}, ("heard", "gone", "stopped"),
+                         LAST_OUT_S)
         except Exception:  # the store's host is gone too
             pass
 

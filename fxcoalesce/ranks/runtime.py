@@ -208,7 +208,7 @@ def _stop(key: str, scope: dict | None, reason: str) -> None:
     except Exception:  # no store to read: nothing agreed here
         return
     name, rank = key.split("@")[0], dist.get_rank()
-    entries, inputs = _running(OPENS.get(key, []), scope or {})
+    entries, inputs, prelude = _running(OPENS.get(key, []), scope or {})
     limit = _LIMITS.pop(key, None)
     others, send = "its peers run it rewritten", True
     groups = {g for guarded in OPENS.get(key, []) for g in guarded.groups}
@@ -249,21 +249,23 @@ def _stop(key: str, scope: dict | None, reason: str) -> None:
     try:
         env.exchange.stop(f"{why}. {fix}")
         if send:
-            _stop_peers(entries, inputs)
+            _stop_peers(entries, inputs, prelude=prelude)
         env.exchange.heard(peers - {rank}, 5.0)
     except Exception:  # the store or the group went with a peer that stopped first
         pass
     raise CollectiveMismatchError(f"fxcoalesce: {why}. {fix}")
 
 
-def _running(tagged: list, scope: dict) -> tuple[list, dict]:
+def _running(tagged: list, scope: dict) -> tuple[list, dict, list]:
     """Of a frame's tagged graphs (``graph_compile.OPENS``), the latest whose inputs'
-    shapes fit what the frame reads now (``scope``: its ``L`` and ``G``) (what its peers run, unless another guard of theirs
-    differs): its checks (``graph_compile.checks_of``) and its size symbols' values; ([],
-    {}) where none fits or the inputs cannot be read."""
+    shapes fit what the frame reads now (``scope``: its ``L`` and ``G``) (what its peers
+    run, unless another guard of theirs differs): its checks (``graph_compile.checks_of``),
+    its size symbols' values and what to send before the checks
+    (``graph_compile.stand_ins_of``); ([], {}, []) where none fits or the inputs cannot be
+    read."""
     import torch
 
-    from ..graph_compile import checks_of
+    from ..graph_compile import checks_of, stand_ins_of
 
     for guarded in reversed(tagged):
         try:
@@ -277,8 +279,10 @@ def _running(tagged: list, scope: dict) -> tuple[list, dict]:
                 isinstance(d, torch.SymInt) or d == v for d, v in zip(ex.shape, a.shape)))
             for n, a in zip(phs, args))
         if fits:
-            return checks_of(guarded.checked), graph_symbols(guarded.gm, args)
-    return [], {}
+            world = frozenset(range(dist.get_world_size()))
+            return (checks_of(guarded.checked), graph_symbols(guarded.gm, args),
+                    stand_ins_of(guarded.checked, world))
+    return [], {}, []
 
 
 def _members(groups: set) -> set[int]:
@@ -294,18 +298,24 @@ def _members(groups: set) -> set[int]:
     return out
 
 
-def _stop_peers(entries: list, inputs: dict, after: int = -1) -> None:
+_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX,
+        "min": dist.ReduceOp.MIN}
+
+
+def _stop_peers(entries: list, inputs: dict, after: int = -1, prelude: list = ()) -> None:
     """Send, in each group of ``entries`` (``graph_compile.checks_of`` the graph the peers
     run) past check ``after``, what its check there receives, with a tag no rank can send
     (every bit and its complement set; cleared under min): the peers there pair it with
     that all_reduce and fail its check at once, instead of waiting for this rank until the
-    group's timeout. ``inputs``: the values of the graph's size symbols (:func:`_concrete`)."""
+    group's timeout. ``prelude`` (``graph_compile.stand_ins_of``) goes first, zeros: the
+    collectives the peers issue before the first check. ``inputs``: the values of the
+    graph's size symbols (:func:`_concrete`)."""
     import torch
 
     from .tag import TAG_BITS
 
-    ops = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX,
-           "min": dist.ReduceOp.MIN}
+    if not _send_zeros(prelude, inputs):
+        return
     for group, op, dtype, numel, device in entries[after + 1:]:
         numel = _concrete(numel, inputs)
         if numel is None:  # cannot be sized here: the peers there wait for the group
@@ -313,10 +323,36 @@ def _stop_peers(entries: list, inputs: dict, after: int = -1) -> None:
         poison = torch.zeros(numel, dtype=dtype, device=device)
         poison[-2 * TAG_BITS:] = 0 if op == "min" else 1  # each pair: 1 and 1 (0 and 0)
         try:
-            dist.all_reduce(poison, ops[op],
+            dist.all_reduce(poison, _OPS[op],
                             group=dist.distributed_c10d._resolve_process_group(group))
         except Exception:  # the peers stopped first, or the group is gone: they know
             return
+
+
+def _send_zeros(prelude: list, inputs: dict) -> bool:
+    """Zeros in each collective of ``prelude`` (kind, group, op, dtype, elements, device),
+    in order; False where one could not be sized or sent (nothing more is: the peers there
+    wait for the group, as they would without it)."""
+    import torch
+
+    for kind, group, op, dtype, numel, device in prelude:
+        numel = _concrete(numel, inputs)
+        if numel is None:
+            return False
+        pg = dist.distributed_c10d._resolve_process_group(group)
+        size = dist.get_world_size(pg)
+        zeros = torch.zeros(numel, dtype=dtype, device=device)
+        try:
+            if kind == "all_gather":
+                dist.all_gather_into_tensor(zeros.new_zeros(numel * size), zeros, group=pg)
+            elif kind == "reduce_scatter":
+                dist.reduce_scatter_tensor(zeros.new_zeros(numel // size), zeros, _OPS[op],
+                                           group=pg)
+            else:
+                dist.all_reduce(zeros, _OPS[op], group=pg)
+        except Exception:  # the peers stopped first, or the group is gone: they know
+            return False
+    return True
 
 
 def _concrete(numel, symbols: dict) -> int | None:
