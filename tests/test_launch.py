@@ -74,3 +74,15 @@ def test_ranks_start_fresh_where_cuda_is(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert launch._context().get_start_method() == "spawn"
+
+
+def test_ranks_in_network_namespaces_need_one_each_and_an_address():
+    """``FXCOALESCE_RANK_NETNS`` (ranks as hosts over a shaped link) is checked before any
+    namespace is entered: one per rank, and the first rank's address."""
+    from fxcoalesce.apps.launch import _enter_netns
+
+    for spec in ("fxc0,fxc1", "fxc0@10.77.0.1"):
+        with pytest.raises(ValueError, match="one namespace per rank"):
+            _enter_netns(spec, 1)
+    with pytest.raises(FileNotFoundError):
+        _enter_netns("no-such-namespace,x@10.0.0.1", 0)

@@ -51,6 +51,33 @@ NCCL_SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1
 """Kept set for NCCL ranks: NVLink multicast can take a shared host's GPUs down."""
 
 
+NETNS_ENV = "FXCOALESCE_RANK_NETNS"
+"""Network namespaces (``ip netns``) for the ranks, one each, and the first rank's address in
+its own: ``fxc0,fxc1@10.77.0.1``. Each rank enters its namespace before its process group
+starts, so the ranks talk as separate hosts over a link one can shape
+(``benchmarks/netns_link.sh``; set ``GLOO_SOCKET_IFNAME`` to the link's interface)."""
+
+
+def _enter_netns(spec: str, rank: int) -> str:
+    """Move this rank's process into its namespace of ``spec`` (:data:`NETNS_ENV`); return
+    the address its process group meets at."""
+    import ctypes
+
+    names, _, host = spec.partition("@")
+    names = names.split(",")
+    if rank >= len(names) or not host:
+        raise ValueError(f"{NETNS_ENV}={spec!r}: give one namespace per rank and the first "
+                         "rank's address, e.g. fxc0,fxc1@10.77.0.1")
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/var/run/netns/{names[rank]}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, 0x40000000) != 0:  # CLONE_NEWNET: this (the only) thread
+            raise OSError(ctypes.get_errno(), f"cannot enter network namespace {names[rank]}")
+    finally:
+        os.close(fd)
+    return host
+
+
 def _thread_lock_for_tqdm() -> None:
     """tqdm makes a multiprocessing lock, a named semaphore registered with the parent's
     resource tracker, for the first bar it draws (Inductor draws some); a rank stopped from
@@ -87,7 +114,9 @@ def _entry(rank, world_size, port, backend, fn, args, queue, done, env, group_ti
             extra["device_id"] = torch.device("cuda", rank)
         else:  # loopback: these jobs never leave the machine
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}",
+        host = _enter_netns(os.environ[NETNS_ENV], rank) if os.environ.get(NETNS_ENV) \
+            else "127.0.0.1"
+        dist.init_process_group(backend, init_method=f"tcp://{host}:{port}",
                                 rank=rank, world_size=world_size, **extra)
         queue.put((rank, None, fn(rank, world_size, *args)))
     except BaseException as e:  # reported before any teardown that could block on peers
