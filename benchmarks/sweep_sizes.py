@@ -125,7 +125,24 @@ def markdown(table: list[dict], command: str) -> str:
                 and "measured_gain_ms" in r else "-")
         lines.append(f"| {r['model']} | {r['step']} | {r['dim']} | {r['tokens']} | "
                      + " | ".join(cells) + f" | {byt} | {vs} | {gain} |")
-    return "\n".join(lines + ["", *("- " + c for c in crossover(table))]) + "\n"
+    return "\n".join(lines + ["", *("- " + c for c in crossover(table)),
+                              "- " + model_check(table)]) + "\n"
+
+
+def model_check(table: list[dict], within: float = 0.25) -> str:
+    """How often the cost model's predicted gain lies within ``within`` of the measured one
+    (fxcoalesce against plain Inductor's medians), over the rows where the measured gain is
+    beyond plain's p10-p90 spread (elsewhere there is no measured gain to compare with)."""
+    judged = [r for r in table if r.get("predicted_gain_ms") is not None
+              and "measured_gain_ms" in r and r["fxcoalesce"]["p90_ms"] < r["inductor"]["p10_ms"]]
+    good = [r for r in judged
+            if abs(r["predicted_gain_ms"] - r["measured_gain_ms"]) <= within * r["measured_gain_ms"]]
+    sizes = ", ".join(f"{r['model']} d{r['dim']} {r['tokens']} tok: "
+                      f"{r['predicted_gain_ms']:+.1f} / {r['measured_gain_ms']:+.1f} ms"
+                      for r in judged)
+    return (f"cost model within {within:.0%} of the measured gain at {len(good)} of the "
+            f"{len(judged)} sizes whose gain is beyond plain's spread"
+            + (f" (predicted / measured: {sizes})" if judged else ""))
 
 
 def plot(table: list[dict], path: Path) -> None:
@@ -182,6 +199,9 @@ def main(argv=None) -> int:
             run_case(model, step, dim, args.tokens or tokens, layers, args, out)
     records = [rec for f in sorted(out.glob("*/bench.json")) for rec in json.loads(f.read_text())]
     table = rows(records)
+    if not table:
+        print(f"no bench results under {out}/*/bench.json", file=sys.stderr)
+        return 1
     (out / "sweep.json").write_text(json.dumps(table, indent=1))
     (out / "sweep.md").write_text(markdown(table, command))
     plot(table, out / "sweep.png")
