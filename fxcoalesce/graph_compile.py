@@ -230,14 +230,17 @@ STAND_IN_KINDS = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gat
 """The collectives a rank that stops can stand in for with zeros (:func:`stand_ins_of`)."""
 
 
-def stand_ins_of(gm, world: frozenset[int] | None) -> list[tuple]:
-    """The collectives a tagged graph ``gm`` issues before its first checked all_reduce, as
-    (kind, group, op, dtype, elements, device), where a rank that stops may send zeros in
-    them: its peers, blocked there (an all_gather first on a group: fuzz seed 90026), then
-    reach the check that fails. Sound only where that check's group is every rank of the
-    ``world``: each rank holding a value built on the zeros fails that check, or waits
-    before it, and none returns one. [] where it is not, where the graph has no check, or
-    where a collective before it is of another kind (none is sent: as before)."""
+def stand_ins_of(gm, world: frozenset[int] | None) -> list[tuple] | None:
+    """What a rank that stops sends before a tagged graph ``gm``'s checks: the collectives
+    it issues before its first checked all_reduce, as (kind, group, op, dtype, elements,
+    device), zeros in each. Its peers sit in them (an all_gather first on a group: fuzz
+    seed 90026) and then reach the check that fails. Sound only where that check's group
+    is every rank of the ``world``: each rank holding a value built on the zeros fails that
+    check, or waits before it, and none returns one. None where the graph opens with such
+    collectives and they cannot be stood in for (that check on a smaller group: fuzz seed
+    110178; another kind; no check): the peers sit there, a poison sent to a later check
+    would wait for them until the group's timeout, so nothing is sent; they hear of the
+    stop from the store and their collective fails as this rank's process ends."""
     from fxcoalesce.collectives import is_collective, op_name
     from fxcoalesce.meta import tensor_val
     from fxcoalesce.ranks.tag import CHECKED, group_members
@@ -248,13 +251,14 @@ def stand_ins_of(gm, world: frozenset[int] | None) -> list[tuple]:
             continue
         group, val = group_of_node(n), tensor_val(n.args[0])
         if n.meta.get(CHECKED) is not None:
-            return out if world is not None and group_members(group) == world else []
+            return out if not out or (world is not None
+                                      and group_members(group) == world) else None
         kind = STAND_IN_KINDS.get(op_name(n))
         if kind is None or val is None or group is None:
-            return []
+            return None
         op = str(n.args[1]) if kind != "all_gather" else ""
         out.append((kind, group, op, val.dtype, val.numel(), str(val.device)))
-    return []
+    return None if out else []
 
 
 OPENS: dict = {}

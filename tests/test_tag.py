@@ -277,3 +277,39 @@ def test_assert_loud_rejects_a_member_that_returned_after_the_failing_pairing():
         assert_loud(sim({1: 1}, [0], [[1], []]))
     with pytest.raises(AssertionError, match="went on"):
         assert_loud(sim({1: 1}, [], [[0], []]))
+
+
+def test_a_stopping_rank_stands_in_before_the_first_check_only_where_it_is_the_worlds():
+    """What a rank that stops sends before a graph's checks (``graph_compile.stand_ins_of``):
+    zeros in the collectives before the first check where that check is on every rank (each
+    holder of a value built on them fails it: fuzz seed 90026); nothing at all where it is
+    on a smaller group (the other ranks could return such a value; its peers sit in the
+    first collective, and a poison sent to the check would wait for them: fuzz seed 110178);
+    nothing before a graph that opens with its check."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fxcoalesce.graph_compile import stand_ins_of
+    from fxcoalesce.ranks.tag import CHECKED
+    from fxcoalesce.testing import simulated_groups
+
+    c10d = torch.ops._c10d_functional
+
+    def prog(x):
+        g = c10d.wait_tensor(c10d.all_gather_into_tensor(x, 4, "world"))
+        a = c10d.wait_tensor(c10d.all_reduce(x * 2, "sum", "half"))
+        return c10d.wait_tensor(c10d.all_reduce(a + g[:4], "sum", "world"))
+
+    gm = make_fx(prog, tracing_mode="fake")(torch.ones(4))
+    gather, half, world = [n for n in gm.graph.nodes if n.op == "call_function"
+                           and "wait" not in str(n.target) and "_c10d" in str(n.target)]
+    everyone = frozenset(range(4))
+    with simulated_groups({"world": (0, 1, 2, 3), "half": (0, 1)}):
+        world.meta[CHECKED] = 1
+        assert stand_ins_of(gm, everyone) == [
+            ("all_gather", "world", "", torch.float32, 4, "cpu"),
+            ("all_reduce", "half", "sum", torch.float32, 4, "cpu")]
+        del world.meta[CHECKED]
+        half.meta[CHECKED] = 1
+        assert stand_ins_of(gm, everyone) is None
+        gather.meta[CHECKED] = 1  # a graph that opens with its check: nothing before it
+        assert stand_ins_of(gm, everyone) == []

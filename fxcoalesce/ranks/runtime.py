@@ -302,19 +302,21 @@ _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp
         "min": dist.ReduceOp.MIN}
 
 
-def _stop_peers(entries: list, inputs: dict, after: int = -1, prelude: list = ()) -> None:
+def _stop_peers(entries: list, inputs: dict, after: int = -1,
+                prelude: list | None = ()) -> None:
     """Send, in each group of ``entries`` (``graph_compile.checks_of`` the graph the peers
     run) past check ``after``, what its check there receives, with a tag no rank can send
     (every bit and its complement set; cleared under min): the peers there pair it with
     that all_reduce and fail its check at once, instead of waiting for this rank until the
     group's timeout. ``prelude`` (``graph_compile.stand_ins_of``) goes first, zeros: the
-    collectives the peers issue before the first check. ``inputs``: the values of the
-    graph's size symbols (:func:`_concrete`)."""
+    collectives the peers issue before the first check; None: they sit in collectives no
+    stand-in can answer, and nothing is sent. ``inputs``: the values of the graph's size
+    symbols (:func:`_concrete`)."""
     import torch
 
     from .tag import TAG_BITS
 
-    if not _send_zeros(prelude, inputs):
+    if prelude is None or not _send_zeros(prelude, inputs):
         return
     for group, op, dtype, numel, device in entries[after + 1:]:
         numel = _concrete(numel, inputs)
