@@ -212,12 +212,14 @@ def _stop(key: str, scope: dict | None, reason: str) -> None:
     limit = _LIMITS.pop(key, None)
     others, send = "its peers run it rewritten", True
     groups = {g for guarded in OPENS.get(key, []) for g in guarded.groups}
-    peers = _members(groups)
+    # a peer that runs it compiled may be blocked in a collective of a group that is not
+    # checked (an all_gather first there: fuzz seed 90026, a 20 s vote): watch all; and the
+    # peers are every group's (where no check is first in its group, ``groups`` is empty,
+    # and a vote of no peers came back unanimous: fuzz seed 130162, gloo aborted)
+    watched = groups | {g for guarded in OPENS.get(key, []) for g in guarded.issues_on}
+    peers = _members(watched)
     if scope is not None:
         wait = min(60.0, 0.5 * (group_timeout_s(default_group()) or 120.0))
-        # a peer that runs it compiled may be blocked in a collective of a group that is
-        # not checked (an all_gather first there: fuzz seed 90026, a 20 s vote): watch all
-        watched = groups | {g for guarded in OPENS.get(key, []) for g in guarded.issues_on}
         vote = env.exchange.skip_vote(key, peers - {rank}, watched, wait)
         if vote is None:
             # Dynamo still runs a compiled graph of it wherever its guards match again (a
