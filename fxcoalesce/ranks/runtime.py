@@ -258,7 +258,7 @@ def _stop(key: str, scope: dict | None, reason: str) -> None:
     raise CollectiveMismatchError(f"fxcoalesce: {why}. {fix}")
 
 
-def _running(tagged: list, scope: dict) -> tuple[list, dict, list]:
+def _running(tagged: list, scope: dict) -> tuple[list, dict, list | None]:
     """Of a frame's tagged graphs (``graph_compile.OPENS``), the latest whose inputs'
     shapes fit what the frame reads now (``scope``: its ``L`` and ``G``) (what its peers
     run, unless another guard of theirs differs): its checks (``graph_compile.checks_of``),
