@@ -203,6 +203,12 @@ def _stop(key: str, scope: dict | None, reason: str) -> None:
     from .exchange import group_timeout_s, process_env
     from ..graph_compile import OPENS
 
+    if family(key) in RETIRED:
+        # every rank already runs the function's graphs in the program's own order (a
+        # unanimous vote before, or its cut varied): running it uncompiled here pairs
+        # with them, as under plain (fuzz seed 140124: rank 0 alone re-cut it after the
+        # vote, stopped, and its stand-ins for the retired rewrite had gloo abort rank 1)
+        return
     try:
         env = process_env()
     except Exception:  # no store to read: nothing agreed here
@@ -225,6 +231,7 @@ def _stop(key: str, scope: dict | None, reason: str) -> None:
             # Dynamo still runs a compiled graph of it wherever its guards match again (a
             # peer's may while this rank's never do): every rank retires them here
             RETIRED.add(family(key))
+            env.rewritten.discard(family(key))  # its later graphs carry no tags
             _RETIRED_WHY[family(key)] = "Dynamo runs it uncompiled on every rank"
             log.warning("fxcoalesce: every rank runs %s uncompiled from here (%s), so each "
                         "issues the program's own collectives there, and runs its rewritten "
@@ -447,6 +454,8 @@ class Guarded:
             runs it shows its position (:func:`_stop`'s vote)."""
             OPENS.setdefault(job.frame, []).append(self)
             del OPENS[job.frame][:-8]
+        self.retired = False
+        """Retired (:meth:`_retire`): it runs the program's own order for good."""
         self.retirable = bool(self.family and graphs) and any(
             g.tagged or (g.sequences and g.step != len(ladder(self.cfg)) - 1) for g in graphs)
         watch_dynamo()
@@ -492,7 +501,7 @@ class Guarded:
                     "program's own order from now on (eagerly)", self.name,
                     _RETIRED_WHY.get(self.family, "its function is cut into graphs in more "
                                                   "than one way"))
-        self.retirable = False
+        self.retirable, self.retired = False, True
         self.run = ProgramOrder(self.gm, self.name)
 
     def _again(self) -> None:
@@ -505,6 +514,8 @@ class Guarded:
         if self.group is None:  # no group now: the collectives fail as plain's would
             return
         announce()  # this rank's process and heartbeat, in the new store
+        if self.retired or (self.retirable and self.family in RETIRED):
+            return  # the program's own order on every rank (retired together): no agreement
         steps = ladder(self.cfg)
         program_only, tag = False, 0
         for g in self.graphs:
