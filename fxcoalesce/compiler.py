@@ -19,7 +19,7 @@ from torch.fx import Graph
 
 from .compile_cache import compile_key, source_fingerprint, source_files  # noqa: F401 (re-exported)
 from .config import Config
-from .graph_compile import GraphCompile, keep, rewrite_agreed
+from .graph_compile import GraphCompile, _raiser, keep, rewrite_agreed
 from .pipeline import next_graph_name
 from .ranks.check import CollectiveMismatchError
 from .report import record
@@ -130,9 +130,16 @@ def backend(config: Config | None = None, *, on_graph: Callable | None = None,
 
     def compile_graph(gm, example_inputs, *, mode=None, options=None):
         patches = {**base, **inductor_patches(mode, options, cfg.codegen)}
-        job = GraphCompile(gm, example_inputs, patches, cfg, name=next_graph_name(),
-                           on_graph=on_graph)
-        return job.run(check_ranks)
+        try:
+            job = GraphCompile(gm, example_inputs, patches, cfg, name=next_graph_name(),
+                               on_graph=on_graph)
+            return job.run(check_ranks)
+        except CollectiveMismatchError as e:
+            # a peer stopped while this rank compiled (the heartbeat raises the peer's error
+            # in this thread, ``ranks.exchange``): raised here, Dynamo would hand the user a
+            # BackendCompilerFailed; the graph raises it when called, as the agreement's
+            # own errors do (seen under load: test_agreement's crossed interleaving)
+            return _raiser(e)
 
     return compile_graph
 

@@ -313,3 +313,25 @@ def test_a_stopping_rank_stands_in_before_the_first_check_only_where_it_is_the_w
         assert stand_ins_of(gm, everyone) is None
         gather.meta[CHECKED] = 1  # a graph that opens with its check: nothing before it
         assert stand_ins_of(gm, everyone) == []
+
+
+def test_a_peer_stop_heard_while_compiling_is_raised_as_itself(monkeypatch):
+    """A peer's stop read from the store lands in this rank's main thread wherever it is,
+    mid-compile too (under load: test_agreement's crossed interleaving): the user gets the
+    CollectiveMismatchError at the call, not Dynamo's BackendCompilerFailed around it."""
+    from fxcoalesce import graph_compile
+    from fxcoalesce.ranks.check import RAISED
+
+    def stopped(self, check_ranks):
+        raise CollectiveMismatchError("fxcoalesce: rank 0 stopped (heard while compiling)")
+
+    monkeypatch.setattr(graph_compile.GraphCompile, "run", stopped)
+    raised = RAISED[0]
+    torch._dynamo.reset()
+    try:
+        f = torch.compile(lambda x: x.sin() + 1, backend="fxcoalesce")
+        with pytest.raises(CollectiveMismatchError, match="heard while compiling"):
+            f(torch.ones(3))
+    finally:
+        RAISED[0] = raised  # the process goes on
+        torch._dynamo.reset()
