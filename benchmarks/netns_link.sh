@@ -25,8 +25,12 @@ up)
         ip -n "$ns" link set lo up
         ip -n "$ns" link set tp0 up
         if [ "$rate" != off ]; then
-            # a 512 KB bucket: 4 ms at 1 Gbit/s
-            tc -n "$ns" qdisc add dev tp0 root tbf rate "$rate" burst 4mbit latency 400ms
+            # The bucket: 16 KB (two 9000-byte frames) by default, so a message pays the
+            # rate from its first bytes, as on a wire (tbf's timer is a hrtimer); BURST=4mbit
+            # (512 KB, what the sweep of 2026-12-05 ran with) lets a message that fits ride
+            # at memory speed once the bucket refilled during compute.
+            tc -n "$ns" qdisc add dev tp0 root tbf rate "$rate" burst "${BURST:-128kbit}" \
+                latency 400ms
         fi
     done
     echo "fxc0 10.77.0.1 <-> fxc1 10.77.0.2 over tp0, rate $rate"

@@ -31,3 +31,32 @@ def test_without_kept_steps_the_spread_decides():
     a = {"median_ms": 1.0, "p10_ms": 0.9, "p90_ms": 1.1}
     b = {"median_ms": 2.0, "p10_ms": 1.5, "p90_ms": 2.5}
     assert sweep.faster(a, b) and not sweep.faster(b, a)
+
+
+def test_the_gain_against_the_overlap_scheduler_prices_its_buckets_with_the_profile(tmp_path):
+    """The crossover's prediction: the overlap scheduler's launches, its bytes split evenly,
+    each an all_reduce of the profile (alpha + beta * bytes), none hidden; minus what
+    fxcoalesce's report predicts exposed."""
+    import json
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({"backend": "gloo", "device": "cpu", "world_size": 2,
+                                   "alpha_us": 100.0, "beta_us_per_byte": 0.01}))
+    after = 150.0
+    rec = {"profile": str(profile), "tp": 2, "variants": {
+        "inductor-overlap": {"all_reduce_launches": 2, "bytes": 20000},
+        "fxcoalesce": {"report_predicted_comm_us": [
+            {"before": {"exposed": 999.0}, "after": {"exposed": after}}]}}}
+    bucket_us = 100.0 + 0.01 * 10000
+    assert sweep.predicted_gain_vs_overlap_ms(rec) == (2 * bucket_us - after) / 1e3
+    del rec["profile"]
+    assert sweep.predicted_gain_vs_overlap_ms(rec) is None
+
+
+def test_the_model_check_judges_only_sizes_won_beyond_the_noise():
+    rows = [{"model": "m", "dim": 8, "tokens": t, "fx_beats_overlap": won,
+             "predicted_gain_vs_overlap_ms": p, "measured_gain_vs_overlap_ms": m}
+            for t, won, p, m in ((1, False, 5.0, 0.1), (128, True, 8.0, 4.0),
+                                 (1024, True, 70.0, 78.0))]
+    line = sweep.model_check(rows, "_vs_overlap")
+    assert line.startswith("cost model within 25% of the measured gain at 1 of the 2 sizes "
+                           "where it is faster than the overlap scheduler")
