@@ -64,7 +64,7 @@ def trained(tmp_path_factory):
     out = tmp_path_factory.mktemp("head")
     opt = TrainOptions(out=str(out), device="cpu", minutes=0.4, gen_share=0.5, prompts=4,
                        gen_batch=4, gen_tokens=24, draft_vocab=512, ttt_steps=3,
-                       batch_tokens=512, checkpoint_s=5)
+                       batch_tokens=512, checkpoint_s=5, held_out=2)
     return out, run_train_draft(opt)
 
 
@@ -76,6 +76,8 @@ def test_train_draft_pipeline_on_cpu(trained):
     assert config["draft"]["draft_vocab"] == 512 and config["dtype"] == "bfloat16"
     assert stats["prompts_used"] == 4 and stats["steps"] >= 5
     assert stats["last_loss"][0] < 6.0  # from ~14 at the start: it learns the 4 responses
+    assert stats["held_out_prompts"] == 2 and len(stats["held_out_top1"]) == 3
+    assert all(0.0 <= x <= 1.0 for x in stats["held_out_top1"])
     index = json.loads((out / draft_head.INDEX).read_text())
     shards = sorted(set(index["weight_map"].values()))
     assert all((out / s).stat().st_size <= draft_head.SHARD_BYTES + (1 << 16) for s in shards)
@@ -114,3 +116,33 @@ def test_load_head_round_trip_and_mismatches(trained, tmp_path):
     with pytest.raises(ValueError, match="no config.json"):
         draft_head.load_head(tmp_path, **kw)
     assert smollm2.NAME == "smollm2-135m"
+
+
+def test_agreement_pools_batches_as_one_batch_of_ttt_loss():
+    """The held-out score: batches of 2 pooled by their scored positions give what
+    ``ttt_loss`` reports for all samples in one batch (sequences of unequal length)."""
+    from fxcoalesce.apps.spec.train_draft import Sample, agreement, collate, ttt_loss
+    from fxcoalesce.models import eagle3 as e3
+    from fxcoalesce.models import llama
+    from fxcoalesce.models.eagle3_train import unrolled_forward
+
+    import dataclasses
+
+    # a draft vocabulary of 4: a random head agrees with random labels at ~1/4 of positions
+    args = dataclasses.replace(e3.DraftArgs.for_target(llama.TINY), draft_vocab=4)
+    draft = e3.build_draft(args, seed=3)
+    H, V = args.dim, args.draft_vocab
+    gen = torch.Generator().manual_seed(0)
+    samples = []
+    for n, prompt_len in ((9, 3), (14, 5), (6, 2), (11, 4), (8, 3)):
+        ids = torch.randint(0, llama.TINY.vocab, (n,), generator=gen)
+        samples.append(Sample(ids, prompt_len, torch.randn(n - 1, 3 * H, generator=gen),
+                              torch.randn(n - 1, H, generator=gen)))
+    head_rows = torch.randn(V, H, generator=gen)
+    with torch.no_grad():
+        tokens, states, normed, valid = collate(samples, torch.device("cpu"))
+        labels = torch.nn.functional.linear(normed, head_rows).softmax(-1)
+        _, _, want = ttt_loss(unrolled_forward(draft, tokens, states, 3), labels, valid)
+    got = agreement(draft, samples, head_rows, 3, torch.device("cpu"), batch=2)
+    assert got == pytest.approx(want, abs=1e-6)
+    assert any(0.0 < x < 1.0 for x in got)  # not a degenerate score

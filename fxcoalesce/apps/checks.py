@@ -455,6 +455,7 @@ def check_train_draft(args) -> None:
               batch_tokens=args.batch_tokens)
     if args.prompts is not None:
         _at_least(1, prompts=args.prompts)
+    _at_least(0, held_out=args.held_out)
     _can_make_dir(args.out, "train-draft", "config.json, safetensors shards, train_log.json")
     import torch
 

@@ -152,13 +152,16 @@ def cmd_train_draft(args) -> int:
                        minutes=args.minutes, gen_share=args.gen_share, prompts=args.prompts,
                        gen_batch=args.gen_batch,
                        gen_tokens=args.gen_tokens, draft_vocab=args.draft_vocab,
-                       ttt_steps=args.ttt_steps, batch_tokens=args.batch_tokens, lr=args.lr)
+                       ttt_steps=args.ttt_steps, batch_tokens=args.batch_tokens, lr=args.lr,
+                       held_out=args.held_out)
     stats = run_train_draft(opt, command="fxcoalesce " + " ".join(sys.argv[1:]))
     log = Path(args.out) / "train_log.json"
     log.write_text(json.dumps(stats, indent=1))
     print(f"{args.target} draft head in {args.out}: {stats['steps']} steps, "
           f"{stats['epochs']:.2f} epochs over {stats['response_tokens']} response tokens; "
-          f"last top-1 agreement per unrolled step {stats['last_top1']}; wrote {log}")
+          f"last top-1 agreement per unrolled step {stats['last_top1']}"
+          + (f", on held-out prompts {stats['held_out_top1']}" if "held_out_top1" in stats else "")
+          + f"; wrote {log}")
     return 0
 
 
@@ -398,6 +401,10 @@ def parser() -> argparse.ArgumentParser:
                    help="token positions per optimizer step (default: %(default)s)")
     t.add_argument("--lr", type=float, default=1e-3,
                    help="peak learning rate (default: %(default)s)")
+    t.add_argument("--held-out", type=int, default=16,
+                   help="held-out prompts the finished head is scored on, as training scores "
+                        "its last batch (train_log.json: held_out_top1; 0: none; default: "
+                        "%(default)s)")
     t.set_defaults(fn=cmd_train_draft, check=checks.check_train_draft)
 
     c = sub.add_parser("calibrate", help="measure all_reduce latency on real ranks and fit "

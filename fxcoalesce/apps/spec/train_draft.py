@@ -63,6 +63,10 @@ class TrainOptions:
     """Peak AdamW learning rate (warm-up over 20 steps, cosine to 10% at the deadline)."""
     checkpoint_s: float = 60.0
     """Seconds between checkpoints."""
+    held_out: int = 16
+    """Held-out prompts (templates and topics training never saw) whose greedy answers the
+    finished head is scored on, as ``last_top1`` scores a training batch: ``held_out_top1``
+    in the log, the agreement a decoder can expect on new text (0: no score)."""
     seed: int = 0
 
 
@@ -212,6 +216,27 @@ def ttt_loss(logits: list[torch.Tensor], labels: torch.Tensor, valid: torch.Tens
     return total / weight, losses, accs
 
 
+def agreement(draft, samples: list[Sample], head_rows: torch.Tensor, steps: int, dev,
+              batch: int = 8) -> list[float]:
+    """Per unrolled step, the top-1 agreement ``ttt_loss`` reports for one batch, pooled over
+    ``samples`` in batches of ``batch`` (no gradients)."""
+    from fxcoalesce.models.eagle3_train import unrolled_forward
+
+    hits, seen = [0] * steps, [0] * steps
+    for start in range(0, len(samples), batch):
+        tokens, states, normed, valid = collate(samples[start : start + batch], dev)
+        with torch.no_grad():
+            want = F.linear(normed, head_rows).argmax(-1)
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+                logits = unrolled_forward(draft, tokens, states, steps)
+        pos = torch.arange(valid.shape[1], device=valid.device)
+        for k, lg in enumerate(logits):
+            ok = valid & (pos >= k)
+            hits[k] += int(((lg.argmax(-1) == want) & ok).sum())
+            seen[k] += int(ok.sum())
+    return [h / max(n, 1) for h, n in zip(hits, seen)]
+
+
 def run_train_draft(opt: TrainOptions, command: str = "") -> dict:
     from fxcoalesce.models.eagle3_train import unrolled_forward
 
@@ -291,6 +316,16 @@ def run_train_draft(opt: TrainOptions, command: str = "") -> dict:
                 last_save = now
                 save(final=False)
         epoch += 1
+    if opt.held_out:  # after the budget: the score is not training
+        texts = prompt_source.held_out_prompts(opt.held_out)
+        held = generate_samples(target, embed, [tok.encode_chat(t) for t in texts],
+                                batch=opt.gen_batch, max_new=opt.gen_tokens, eos=tok.eos_id,
+                                deadline=math.inf)
+        top1 = agreement(draft, held, head_rows, opt.ttt_steps, dev)
+        stats["held_out_top1"] = [round(x, 4) for x in top1]
+        stats["held_out_prompts"] = len(held)
+        say(f"  held-out top-1 ({len(held)} prompts training never saw): "
+            f"{' '.join(f'{x:.2f}' for x in top1)}")
     save(final=True)
     say(f"train-draft: done in {time.perf_counter() - t_start:.0f} s ({stats['steps']} steps, "
         f"{stats['epochs']:.2f} epochs)")
