@@ -247,3 +247,41 @@ def test_two_ranks_decide_and_confirm_together(tmp_path):
     assert [s for s, _, _ in r0] == ["measured", "cached"]
     assert [s[1:] for s in r0] == [s[1:] for s in r1]  # rank 0's trees on both
     assert all(shape is not None for _, shape, _ in r0)  # --tree spec: a tree
+
+
+def test_a_captured_step_keeps_the_tensors_it_reads_alive(monkeypatch):
+    """A CUDA graph reads its inputs at fixed addresses and holds none of them: the replay
+    ``_replayable`` returns must hold the captured function and so its tensors, or their
+    memory goes to later tensors and the replay reads garbage (the GPU path's index_copy_
+    assert, session 7). Capture is faked: the lifetime is the point, not the GPU."""
+    import gc
+    import weakref
+
+    class FakeGraph:
+        replays = 0
+
+        def replay(self):
+            FakeGraph.replays += 1
+
+    class FakeCapture:
+        def __init__(self, graph, **kwargs):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", FakeCapture)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
+    state = torch.zeros(4, dtype=torch.long)
+    alive = weakref.ref(state)
+    run = tc._replayable(lambda state=state: state.sum(), torch.device("cuda"), None)
+    del state
+    gc.collect()
+    assert alive() is not None, "the replay let the captured step's tensors go"
+    before = FakeGraph.replays
+    run()
+    assert FakeGraph.replays == before + 1  # it replays the graph, not the step eagerly
