@@ -83,10 +83,16 @@ def predicted_gain_vs_overlap_ms(rec: dict) -> float | None:
     """The same model's gain against the overlap scheduler: its buckets (launches and bytes
     as counted at run time, the bytes split evenly, none hidden: its generated code hides no
     kernel under them) priced by the bench's cost profile, minus fxcoalesce's predicted
-    exposed time. None without a profile or either variant's counts."""
+    exposed time. None without a profile or either variant's counts, and where the overlap
+    variant's counted bytes are not the program's (fxcoalesce's report: ``bytes_before``):
+    the profiler's count on a warm Inductor cache, a multiple of the program's."""
     v = rec["variants"]
-    ov, pred = v.get("inductor-overlap"), v.get("fxcoalesce", {}).get("report_predicted_comm_us")
+    fx = v.get("fxcoalesce", {})
+    ov, pred = v.get("inductor-overlap"), fx.get("report_predicted_comm_us")
     if not pred or not ov or not ov.get("all_reduce_launches") or not rec.get("profile"):
+        return None
+    program = sum(r["bytes_before"] for r in fx.get("report_all_reduce") or ())
+    if ov.get("bytes") != program:
         return None
     path = Path(rec["profile"])
     if not path.is_file():

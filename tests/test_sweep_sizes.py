@@ -44,10 +44,14 @@ def test_the_gain_against_the_overlap_scheduler_prices_its_buckets_with_the_prof
     after = 150.0
     rec = {"profile": str(profile), "tp": 2, "variants": {
         "inductor-overlap": {"all_reduce_launches": 2, "bytes": 20000},
-        "fxcoalesce": {"report_predicted_comm_us": [
+        "fxcoalesce": {"report_all_reduce": [{"bytes_before": 20000}],
+                       "report_predicted_comm_us": [
             {"before": {"exposed": 999.0}, "after": {"exposed": after}}]}}}
     bucket_us = 100.0 + 0.01 * 10000
     assert sweep.predicted_gain_vs_overlap_ms(rec) == (2 * bucket_us - after) / 1e3
+    rec["variants"]["inductor-overlap"]["bytes"] = 15 * 20000  # a warm cache's count
+    assert sweep.predicted_gain_vs_overlap_ms(rec) is None
+    rec["variants"]["inductor-overlap"]["bytes"] = 20000
     del rec["profile"]
     assert sweep.predicted_gain_vs_overlap_ms(rec) is None
 
