@@ -70,6 +70,13 @@ def faster(a: dict, b: dict, alpha: float = 0.01) -> bool:
     return sum(math.comb(n, i) for i in range(k, n + 1)) / 2 ** n < alpha
 
 
+def measured_gain_ms(fx: dict, other: dict) -> float:
+    """fxcoalesce's gain over ``other`` (ms): the median of the rounds' differences, where
+    the steps were kept, else the difference of the medians."""
+    pair = paired(fx, other)
+    return pair[0] if pair else other["median_ms"] - fx["median_ms"]
+
+
 def predicted_gain_ms(rec: dict) -> float | None:
     """What fxcoalesce's report predicts it saves a step against the program's own
     collectives (exposed communication before minus after), in ms."""
@@ -120,9 +127,7 @@ def rows(records: list[dict]) -> list[dict]:
                          "steps_ms": r.get("steps_ms")}
         fx, ov = v.get("fxcoalesce"), v.get("inductor-overlap")
         if fx is not None:
-            pair = paired(fx, base)  # the median of the rounds' differences, where kept
-            row["measured_gain_ms"] = (pair[0] if pair else
-                                       base["median_ms"] - fx["median_ms"])
+            row["measured_gain_ms"] = measured_gain_ms(fx, base)
             row["predicted_gain_ms"] = predicted_gain_ms(rec)
             row["fx_beats_inductor"] = faster(fx, base)
         if fx is not None and ov is not None:
@@ -132,8 +137,7 @@ def rows(records: list[dict]) -> list[dict]:
             pair = paired(fx, ov)
             if pair:
                 row["fx_faster_rounds_vs_overlap"] = f"{pair[1]}/{pair[2]}"
-            row["measured_gain_vs_overlap_ms"] = (pair[0] if pair else
-                                                  ov["median_ms"] - fx["median_ms"])
+            row["measured_gain_vs_overlap_ms"] = measured_gain_ms(fx, ov)
             row["predicted_gain_vs_overlap_ms"] = predicted_gain_vs_overlap_ms(rec)
         out.append(row)
     return out

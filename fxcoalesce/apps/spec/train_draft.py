@@ -200,19 +200,31 @@ def collate(samples: list[Sample], dev):
     return tokens.to(dev), states, normed, valid.to(dev)
 
 
+def top1_counts(logits: list[torch.Tensor], want: torch.Tensor,
+                valid: torch.Tensor) -> list[tuple[int, int]]:
+    """Per unrolled step k: (positions where the draft's argmax is ``want``, positions scored),
+    over valid positions with a parent (p >= k)."""
+    pos = torch.arange(valid.shape[1], device=valid.device)
+    out = []
+    for k, lg in enumerate(logits):
+        ok = valid & (pos >= k)
+        out.append((int(((lg.argmax(-1) == want) & ok).sum()), int(ok.sum())))
+    return out
+
+
 def ttt_loss(logits: list[torch.Tensor], labels: torch.Tensor, valid: torch.Tensor):
     """Soft cross-entropy of each unrolled step against ``labels`` [B, S, Vd] (probabilities),
     over valid positions with a parent (p >= k); steps weighted 0.8^k. -> (loss, per-step
     losses, per-step top-1 agreement with the target)."""
     pos = torch.arange(valid.shape[1], device=valid.device)
     want = labels.argmax(-1)
-    total, weight, losses, accs = 0.0, 0.0, [], []
+    total, weight, losses = 0.0, 0.0, []
     for k, lg in enumerate(logits):
         ok = valid & (pos >= k)
         ce = -(labels * lg.float().log_softmax(-1)).sum(-1)[ok].mean()
         total, weight = total + 0.8**k * ce, weight + 0.8**k
         losses.append(float(ce.detach()))
-        accs.append(float((lg.argmax(-1) == want)[ok].float().mean()))
+    accs = [h / n if n else float("nan") for h, n in top1_counts(logits, want, valid)]
     return total / weight, losses, accs
 
 
@@ -229,11 +241,8 @@ def agreement(draft, samples: list[Sample], head_rows: torch.Tensor, steps: int,
             want = F.linear(normed, head_rows).argmax(-1)
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dev.type == "cuda"):
                 logits = unrolled_forward(draft, tokens, states, steps)
-        pos = torch.arange(valid.shape[1], device=valid.device)
-        for k, lg in enumerate(logits):
-            ok = valid & (pos >= k)
-            hits[k] += int(((lg.argmax(-1) == want) & ok).sum())
-            seen[k] += int(ok.sum())
+        for k, (h, n) in enumerate(top1_counts(logits, want, valid)):
+            hits[k], seen[k] = hits[k] + h, seen[k] + n
     return [h / max(n, 1) for h, n in zip(hits, seen)]
 
 
