@@ -28,11 +28,11 @@ from pathlib import Path
 import torch
 
 
-def teacher_forced(target, draft, ids: list[int], prompt_len: int, steps: int) -> list[list[int]]:
-    """[step][hits, positions]: step k's draft argmax (mapped to target ids) against the
-    target's argmax at each position predicting a response token, as ``ttt_loss`` counts
-    them (positions p >= k, x_{p+2} a response token); the target's argmax over its whole
-    vocabulary (the decoder's test), not only the draft vocabulary's."""
+def teacher_forced(target, draft, ids: list[int], prompt_len: int, steps: int):
+    """[step] [n - 2] bool: step k's draft argmax (mapped to target ids) against the target's
+    argmax at each position p (token x_{p+1}, state h_p, predicting x_{p+2}) of training's own
+    forward (``unrolled_forward``); the target's argmax over its whole vocabulary (the
+    decoder's test), not only the draft vocabulary's."""
     from fxcoalesce.models.eagle3 import prefill
     from fxcoalesce.models.eagle3_train import unrolled_forward
 
@@ -42,13 +42,45 @@ def teacher_forced(target, draft, ids: list[int], prompt_len: int, steps: int) -
     want = logits.argmax(-1)  # target's next token after each position
     S = len(ids) - 2  # positions p = 0 .. n - 3: token x_{p+1}, state h_p, label at p + 1
     outs = unrolled_forward(draft, seq[None, 1 : S + 1], hidden[None, :S], steps)
+    return [draft.to_target(lg[0].argmax(-1)) == want[1 : S + 1] for lg in outs]
+
+
+def hit_counts(hit: list[torch.Tensor], prompt_len: int) -> list[list[int]]:
+    """[step][hits, positions, chain hits, chains reached]. The first two as ``ttt_loss``
+    counts them: positions p >= k whose label x_{p+2} is a response token. The last two count
+    the hits as a chain meets them: step k at position p continues the chain that starts at
+    p - k (step j of it at p - k + j); "reached" where that chain starts in the response and
+    its steps 0..k-1 all hit, "chain hits" where step k hits too. Their ratio is P(depth k + 1
+    accepted | depth k accepted) over every start, the decoder's per-depth rate if a chain
+    started everywhere."""
+    S = len(hit[0])
     p = torch.arange(S)
+    start = max(prompt_len - 2, 0)
     res = []
-    for k, lg in enumerate(outs):
-        ok = (p >= k) & (p >= max(prompt_len - 2, 0))
-        guess = draft.to_target(lg[0].argmax(-1))
-        res.append([int(((guess == want[1 : S + 1]) & ok).sum()), int(ok.sum())])
+    for k in range(len(hit)):
+        ok = (p >= k) & (p >= start)
+        reached = p >= k + start
+        for j in range(k):  # step j of the chain through p sits k - j positions back
+            back = k - j
+            reached &= torch.cat([torch.zeros(back, dtype=torch.bool), hit[j][: S - back]])
+        res.append([int((hit[k] & ok).sum()), int(ok.sum()),
+                    int((hit[k] & reached).sum()), int(reached.sum())])
     return res
+
+
+def walk(hit: list[torch.Tensor], prompt_len: int) -> list[int]:
+    """Draft tokens accepted per step by a chain of ``len(hit)`` walked along the text as the
+    decoder walks it, with training's hits: the first chain continues the target's first
+    response token (position prompt_len - 1), each next one the bonus token after the
+    accepted ones (position + accepted + 1)."""
+    out, o, S = [], prompt_len - 1, len(hit[0])
+    while o < S:
+        a = 0
+        while a < len(hit) and o + a < S and bool(hit[a][o + a]):
+            a += 1
+        out.append(a)
+        o += a + 1
+    return out
 
 
 def chain_run(target, draft, prompt: list[int], tokens: int, depth: int, eos: int):
@@ -65,15 +97,16 @@ def chain_run(target, draft, prompt: list[int], tokens: int, depth: int, eos: in
     return out, stats.accepted
 
 
-def per_depth(accepted: list[list[int]], depth: int) -> list[float]:
+def per_depth(accepted: list[list[int]], depth: int) -> tuple[list[float], list[int]]:
     """P(draft token d accepted | d - 1 accepted), d = 1..depth, from tokens emitted per step
-    (accepted + 1)."""
+    (accepted + 1); and how many steps reached depth d - 1 (each rate's sample)."""
     flat = [a - 1 for run in accepted for a in run]
-    rates = []
+    rates, tried = [], []
     for d in range(1, depth + 1):
         reached = sum(a >= d - 1 for a in flat)
         rates.append(round(sum(a >= d for a in flat) / max(reached, 1), 4))
-    return rates
+        tried.append(reached)
+    return rates, tried
 
 
 def parser() -> argparse.ArgumentParser:
@@ -118,7 +151,8 @@ def worker(rank: int, world: int, argv: list[str]) -> dict:
     depths = [int(d) for d in args.depths.split(",")]
     steps = max(depths)
     chains = {d: [] for d in depths}
-    tf = [[0, 0] for _ in range(steps)]
+    tf = [[0, 0, 0, 0] for _ in range(steps)]
+    walked = []  # training's hits walked as the decoder walks (tokens per step)
     same = True
     with torch.no_grad():
         for text in texts:
@@ -129,10 +163,10 @@ def worker(rank: int, world: int, argv: list[str]) -> dict:
                 chains[d].append(acc)
                 answers.append(out)
             same &= all(a == answers[0] for a in answers)
-            for k, (hit, n) in enumerate(teacher_forced(target, draft, prompt + answers[0],
-                                                        len(prompt), steps)):
-                tf[k][0] += hit
-                tf[k][1] += n
+            hit = teacher_forced(target, draft, prompt + answers[0], len(prompt), steps)
+            tf = [[a + b for a, b in zip(mine, theirs)]
+                  for mine, theirs in zip(tf, hit_counts(hit, len(prompt)))]
+            walked.append([a + 1 for a in walk(hit, len(prompt))])
             if rank == 0:
                 print(f"  {text[:60]!r}: {len(answers[0])} tokens", file=sys.stderr, flush=True)
     record = {
@@ -140,11 +174,15 @@ def worker(rank: int, world: int, argv: list[str]) -> dict:
         "dtype": args.dtype, "torch": torch.__version__, "tp": world,
         "backend": "gloo" if world > 1 else "none",
         "training_top1": meta.get("training", {}).get("last_top1"),
-        "teacher_forced_top1": [round(h / max(n, 1), 4) for h, n in tf],
-        "teacher_forced_positions": [n for _, n in tf],
+        "teacher_forced_top1": [round(h / max(n, 1), 4) for h, n, _, _ in tf],
+        "teacher_forced_positions": [n for _, n, _, _ in tf],
+        "teacher_forced_chain_per_depth": [round(h / max(n, 1), 4) for _, _, h, n in tf],
+        "teacher_forced_chains_reached": [n for _, _, _, n in tf],
+        "teacher_forced_walk_per_depth": per_depth(walked, steps)[0],
         "chain": {d: {"accepted_length": round(sum(map(sum, chains[d]))
                                                / max(sum(map(len, chains[d])), 1), 3),
-                      "accept_per_depth": per_depth(chains[d], d)} for d in depths},
+                      **dict(zip(("accept_per_depth", "tried_per_depth"),
+                                 per_depth(chains[d], d)))} for d in depths},
         "chains_equal": same, "wall_s": round(time.perf_counter() - t0, 1),
     }
     return record
