@@ -82,7 +82,9 @@ GUARD_EVERY, GUARD_RATIO = 8, 0.97
 """With a tree chosen by measurement (``tree`` auto or measure), every 8 steps the
 speculative decoding compares its tokens/s so far with the greedy baseline's on the same
 prompt; below 0.97x, greedy decoding takes over from the same cache (the same tokens): a
-machine whose load changed since the tree was timed does not keep a losing tree."""
+machine whose load changed since the tree was timed does not keep a losing tree. Both rates
+leave the prefill out (each clock starts after the first step): charged to the first 8
+steps' ~28 tokens instead of greedy's 256, one prefill made every tree lose on an H100."""
 
 
 def cache_len(opt: SpecOptions) -> int:
@@ -196,14 +198,20 @@ def spec_worker(rank: int, world: int, opt: SpecOptions) -> dict:
 
     guarded = opt.tree in ("auto", "measure")  # a forced tree runs to the end
 
-    def give_up_below(rate: float, since: float):
+    def give_up_below(rate: float):
         """``speculative_generate_static``'s ``give_up``: every ``GUARD_EVERY`` steps, is
-        the speculative decoding's tokens/s so far below ``GUARD_RATIO`` x greedy's ``rate``
-        (measured on the same prompt just before)? Rank 0's answer, broadcast."""
+        the speculative decoding's tokens/s since its first step below ``GUARD_RATIO`` x
+        greedy's ``rate`` (its steps' tokens/s on the same prompt just before)? Rank 0's
+        answer, broadcast."""
+        since: list[tuple[float, int]] = []  # (time, tokens) after the first step
+
         def give_up(steps: int, tokens: int) -> bool:
+            if not since:
+                since.append((time.perf_counter(), tokens))
             if steps % GUARD_EVERY:
                 return False
-            slow = tokens / max(time.perf_counter() - since, 1e-9) < GUARD_RATIO * rate
+            t, n = since[0]
+            slow = (tokens - n) / max(time.perf_counter() - t, 1e-9) < GUARD_RATIO * rate
             if group is not None:
                 flag = torch.tensor([int(slow)], device=dev)
                 dist.broadcast(flag, 0)
@@ -220,14 +228,22 @@ def spec_worker(rank: int, world: int, opt: SpecOptions) -> dict:
             dist.barrier()
         _sync(dev)
         t0 = time.perf_counter()
-        greedy = []
+        greedy, stepping = [], []  # stepping: when greedy's first step began (prefill synced)
+
+        def stamped(fn):
+            def call(*args):
+                if not stepping:
+                    stepping.append(time.perf_counter())
+                return fn(*args)
+            return call
+
         with bars(f"decoding greedily{'' if greedy_compiled else ', uncompiled,'} {on}"
                   ) as phase:
             phase.advance()  # the prefill's token
             if greedy_too:
-                greedy = es.greedy_generate_static(target, prompt, tokens,
-                                                   step_fn=counted(decode, phase, True),
-                                                   stop_tokens=stop)
+                greedy = es.greedy_generate_static(
+                    target, prompt, tokens, step_fn=stamped(counted(decode, phase, True)),
+                    stop_tokens=stop)
             phase.count = len(greedy)
         _sync(dev)
         t1 = time.perf_counter()
@@ -236,8 +252,8 @@ def spec_worker(rank: int, world: int, opt: SpecOptions) -> dict:
                     "spec_tokens": len(greedy), "greedy_s": t1 - t0, "spec_s": t1 - t0,
                     "accepted": [1] * (len(greedy) - 1), "same_tokens": True,
                     "tokens": greedy, "greedy": greedy}
-        guard = (give_up_below(len(greedy) / (t1 - t0), t1)
-                 if guarded and timed and greedy else None)
+        guard = (give_up_below((len(greedy) - 1) / max(t1 - stepping[0], 1e-9))
+                 if guarded and timed and stepping else None)
         with bars(f"decoding speculatively {on}") as phase:
             spec_out, stats = es.speculative_generate_static(
                 target, draft, prompt, tokens, spec=spec, step_fn=counted(step, phase, False),
