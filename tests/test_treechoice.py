@@ -285,3 +285,27 @@ def test_a_captured_step_keeps_the_tensors_it_reads_alive(monkeypatch):
     before = FakeGraph.replays
     run()
     assert FakeGraph.replays == before + 1  # it replays the graph, not the step eagerly
+
+
+def test_the_guard_compares_step_rates_leaving_the_prefill_out(monkeypatch):
+    """The guard that lets greedy take over: a tree at 3 tokens a 1 s step against greedy's
+    2.5 tokens/s keeps going although the prefill took 100 s before its first step (charged
+    to the first 8 steps' 24 tokens, as on the H100 in session 8, it looked 0.09x); one at
+    2 tokens a step (0.8x) is given up at step 8, not before."""
+    from fxcoalesce.apps.spec import specdecode as sd
+
+    clock = {"t": 0.0}
+    monkeypatch.setattr(sd.time, "perf_counter", lambda: clock["t"])
+
+    def run(per_step: int) -> list[int]:
+        guard = sd.step_rate_guard(2.5, None, torch.device("cpu"))
+        clock["t"] = 100.0  # the prefill
+        gave_up = []
+        for step in range(1, 17):
+            clock["t"] += 1.0
+            if guard(step, 1 + per_step * step):
+                gave_up.append(step)
+        return gave_up
+
+    assert run(3) == []
+    assert run(2) == [8, 16]

@@ -115,6 +115,28 @@ def _sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
+def step_rate_guard(rate: float, group, dev: torch.device):
+    """``speculative_generate_static``'s ``give_up``: every ``GUARD_EVERY`` steps, is the
+    speculative decoding's tokens/s since its first step below ``GUARD_RATIO`` x ``rate``
+    (greedy's tokens/s over its steps on the same prompt, measured just before)? Rank 0's
+    answer, broadcast over ``group`` (None: one rank)."""
+    since: list[tuple[float, int]] = []  # (time, tokens) after the first step
+
+    def give_up(steps: int, tokens: int) -> bool:
+        if not since:
+            since.append((time.perf_counter(), tokens))
+        if steps % GUARD_EVERY:
+            return False
+        t, n = since[0]
+        slow = (tokens - n) / max(time.perf_counter() - t, 1e-9) < GUARD_RATIO * rate
+        if group is not None:
+            flag = torch.tensor([int(slow)], device=dev)
+            dist.broadcast(flag, 0)
+            slow = bool(flag)
+        return slow
+    return give_up
+
+
 def spec_worker(rank: int, world: int, opt: SpecOptions) -> dict:
     """One rank: decode every prompt target-only and speculatively; per-prompt results."""
     from fxcoalesce.apps.progress import Phase, first_call_announced, stderr_say
@@ -198,27 +220,6 @@ def spec_worker(rank: int, world: int, opt: SpecOptions) -> dict:
 
     guarded = opt.tree in ("auto", "measure")  # a forced tree runs to the end
 
-    def give_up_below(rate: float):
-        """``speculative_generate_static``'s ``give_up``: every ``GUARD_EVERY`` steps, is
-        the speculative decoding's tokens/s since its first step below ``GUARD_RATIO`` x
-        greedy's ``rate`` (its steps' tokens/s on the same prompt just before)? Rank 0's
-        answer, broadcast."""
-        since: list[tuple[float, int]] = []  # (time, tokens) after the first step
-
-        def give_up(steps: int, tokens: int) -> bool:
-            if not since:
-                since.append((time.perf_counter(), tokens))
-            if steps % GUARD_EVERY:
-                return False
-            t, n = since[0]
-            slow = (tokens - n) / max(time.perf_counter() - t, 1e-9) < GUARD_RATIO * rate
-            if group is not None:
-                flag = torch.tensor([int(slow)], device=dev)
-                dist.broadcast(flag, 0)
-                slow = bool(flag)
-            return slow
-        return give_up
-
     def run_both(ids: tuple[int, ...], tokens: int, shown: bool = False,
                  greedy_too: bool = True, timed: bool = True) -> dict:
         prompt = torch.tensor(ids, device=dev)
@@ -252,7 +253,7 @@ def spec_worker(rank: int, world: int, opt: SpecOptions) -> dict:
                     "spec_tokens": len(greedy), "greedy_s": t1 - t0, "spec_s": t1 - t0,
                     "accepted": [1] * (len(greedy) - 1), "same_tokens": True,
                     "tokens": greedy, "greedy": greedy}
-        guard = (give_up_below((len(greedy) - 1) / max(t1 - stepping[0], 1e-9))
+        guard = (step_rate_guard((len(greedy) - 1) / max(t1 - stepping[0], 1e-9), group, dev)
                  if guarded and timed and stepping else None)
         with bars(f"decoding speculatively {on}") as phase:
             spec_out, stats = es.speculative_generate_static(
