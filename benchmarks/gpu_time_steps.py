@@ -2,9 +2,10 @@
 the GPU path's CUDA-graph capture and replays, without the SmolLM2 GGUF (three device calls to
 carry). Session 7 saw ``gpu_spec.sh tp1`` (H100, torch 2.11, bf16) fail there with a
 device-side ``index_copy_(): index out of bounds`` at a candidate's replay in the timing loop,
-after every candidate had been captured and replayed once; the CPU path passes. The likely
-cause, fixed since: the replay kept no reference to the step's state and pairs, which the
-graph reads at fixed addresses (``treechoice._replayable``). This checks it on a GPU.
+after every candidate had been captured and replayed once; the CPU path passes. The cause:
+the replay kept no reference to the step's state and pairs, which the graph reads at fixed
+addresses (``treechoice._replayable``). Fixed; on an H100 in session 8 this passes
+(benchmarks/results/gpu_h100x1_torch2.11_2026-12-06/gpu_time_steps.log).
 
     CUDA_LAUNCH_BLOCKING=1 python benchmarks/gpu_time_steps.py cuda     # captured (the GPU path)
     python benchmarks/gpu_time_steps.py cuda --no-capture                # eager steps

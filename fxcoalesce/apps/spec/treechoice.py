@@ -240,9 +240,9 @@ def _replayable(fn, dev: torch.device, group, capture: bool = True):
         def run(graph=graph, fn=fn):
             """The replay, holding ``fn``: the graph reads the tensors ``fn`` holds (a step's
             state and pairs) at fixed addresses but keeps none of them alive. Without this,
-            freed, their memory went to later tensors and a replay read garbage: the likely
-            cause of ``index_copy_(): index out of bounds`` on an H100 (session 7; not yet
-            rerun on a GPU: benchmarks/gpu_time_steps.py)."""
+            freed, their memory went to later tensors and a replay read garbage:
+            ``index_copy_(): index out of bounds`` on an H100 in session 7, gone with this
+            in session 8 (benchmarks/gpu_time_steps.py)."""
             graph.replay()
     else:
         run = fn
