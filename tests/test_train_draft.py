@@ -78,6 +78,9 @@ def test_train_draft_pipeline_on_cpu(trained):
     assert stats["last_loss"][0] < 6.0  # from ~14 at the start: it learns the 4 responses
     assert stats["held_out_prompts"] == 2 and len(stats["held_out_top1"]) == 3
     assert all(0.0 <= x <= 1.0 for x in stats["held_out_top1"])
+    curve = stats["held_out_curve"]  # a checkpoint every 5 s over ~12 s of training, then the end
+    assert len(curve) >= 2 and curve[-1]["top1"] == stats["held_out_top1"]
+    assert [c["epochs"] for c in curve] == sorted(c["epochs"] for c in curve)
     index = json.loads((out / draft_head.INDEX).read_text())
     shards = sorted(set(index["weight_map"].values()))
     assert all((out / s).stat().st_size <= draft_head.SHARD_BYTES + (1 << 16) for s in shards)

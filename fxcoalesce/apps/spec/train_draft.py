@@ -48,7 +48,7 @@ class TrainOptions:
     gen_share: float = 0.4
     """Generation stops starting batches after this share of the budget."""
     prompts: int | None = None
-    """Use only the first N training prompts (None: all ~19k)."""
+    """Use only the first N training prompts (None: all ~79k; generation stops at its budget)."""
     gen_batch: int = 256
     """Prompts answered together."""
     gen_tokens: int = 256
@@ -65,8 +65,9 @@ class TrainOptions:
     """Seconds between checkpoints."""
     held_out: int = 16
     """Held-out prompts (templates and topics training never saw) whose greedy answers the
-    finished head is scored on, as ``last_top1`` scores a training batch: ``held_out_top1``
-    in the log, the agreement a decoder can expect on new text (0: no score)."""
+    head is scored on, as ``last_top1`` scores a training batch: ``held_out_top1`` in the log
+    (the finished head), the agreement a decoder can expect on new text, and
+    ``held_out_curve`` (at every checkpoint: whether more epochs still help; 0: no score)."""
     seed: int = 0
 
 
@@ -282,8 +283,23 @@ def run_train_draft(opt: TrainOptions, command: str = "") -> dict:
               "target_dim": target.args.dim, "capture_layers": list(target.args.capture_layers),
               "training": stats}
 
+    held = []
+    if opt.held_out:  # answered now, scored at every checkpoint: the curve is not training
+        texts = prompt_source.held_out_prompts(opt.held_out)
+        held = generate_samples(target, embed, [tok.encode_chat(t) for t in texts],
+                                batch=opt.gen_batch, max_new=opt.gen_tokens, eos=tok.eos_id,
+                                deadline=math.inf)
+
     def save(final: bool) -> None:
         stats["train_s"] = round(time.perf_counter() - t_train, 1)
+        if held:
+            top1 = [round(x, 4) for x in agreement(draft, held, head_rows, opt.ttt_steps, dev)]
+            stats["held_out_curve"] = stats.get("held_out_curve", []) + [
+                {"epochs": stats["epochs"], "top1": top1, "last_top1": stats.get("last_top1")}]
+            if final:
+                stats["held_out_top1"], stats["held_out_prompts"] = top1, len(held)
+                say(f"  held-out top-1 ({len(held)} prompts training never saw): "
+                    f"{' '.join(f'{x:.2f}' for x in top1)}")
         save_head(draft, out, config)
         say(f"  {'saved' if final else 'checkpoint'}: {out} (step {stats['steps']})")
 
@@ -325,16 +341,6 @@ def run_train_draft(opt: TrainOptions, command: str = "") -> dict:
                 last_save = now
                 save(final=False)
         epoch += 1
-    if opt.held_out:  # after the budget: the score is not training
-        texts = prompt_source.held_out_prompts(opt.held_out)
-        held = generate_samples(target, embed, [tok.encode_chat(t) for t in texts],
-                                batch=opt.gen_batch, max_new=opt.gen_tokens, eos=tok.eos_id,
-                                deadline=math.inf)
-        top1 = agreement(draft, held, head_rows, opt.ttt_steps, dev)
-        stats["held_out_top1"] = [round(x, 4) for x in top1]
-        stats["held_out_prompts"] = len(held)
-        say(f"  held-out top-1 ({len(held)} prompts training never saw): "
-            f"{' '.join(f'{x:.2f}' for x in top1)}")
     save(final=True)
     say(f"train-draft: done in {time.perf_counter() - t_start:.0f} s ({stats['steps']} steps, "
         f"{stats['epochs']:.2f} epochs)")
