@@ -290,8 +290,8 @@ def test_a_captured_step_keeps_the_tensors_it_reads_alive(monkeypatch):
 def test_the_guard_compares_step_rates_leaving_the_prefill_out(monkeypatch):
     """The guard that lets greedy take over: a tree at 3 tokens a 1 s step against greedy's
     2.5 tokens/s keeps going although the prefill took 100 s before its first step (charged
-    to the first 8 steps' 24 tokens, as on the H100 in session 8, it looked 0.09x); one at
-    2 tokens a step (0.8x) is given up at step 8, not before."""
+    to the first steps' tokens, as on the H100 in session 8, it looked 0.09x); one at
+    2 tokens a step (0.8x) is given up at step GUARD_EVERY, not before."""
     from fxcoalesce.apps.spec import specdecode as sd
 
     clock = {"t": 0.0}
@@ -308,4 +308,5 @@ def test_the_guard_compares_step_rates_leaving_the_prefill_out(monkeypatch):
         return gave_up
 
     assert run(3) == []
-    assert run(2) == [8, 16]
+    every = sd.GUARD_EVERY
+    assert run(2) == list(range(every, 17, every))
