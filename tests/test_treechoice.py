@@ -297,12 +297,12 @@ def test_the_guard_compares_step_rates_leaving_the_prefill_out(monkeypatch):
     clock = {"t": 0.0}
     monkeypatch.setattr(sd.time, "perf_counter", lambda: clock["t"])
 
-    def run(per_step: int) -> list[int]:
+    def run(per_step: int, stall: dict | None = None) -> list[int]:
         guard = sd.step_rate_guard(2.5, None, torch.device("cpu"))
         clock["t"] = 100.0  # the prefill
         gave_up = []
         for step in range(1, 17):
-            clock["t"] += 1.0
+            clock["t"] += 1.0 + (stall or {}).get(step, 0.0)
             if guard(step, 1 + per_step * step):
                 gave_up.append(step)
         return gave_up
@@ -310,3 +310,7 @@ def test_the_guard_compares_step_rates_leaving_the_prefill_out(monkeypatch):
     assert run(3) == []
     every = sd.GUARD_EVERY
     assert run(2) == list(range(every, 17, every))
+    # one step stalled 3 s (the mean pace 9 tokens in 6 s: 1.5 tokens/s) is not a slow tree
+    assert run(3, {2: 3.0}) == []
+    # a slowdown that lasts (every step from the second 1.5 s: 2 tokens/s) is
+    assert run(3, {s: 0.5 for s in range(2, 17)}) == list(range(every, 17, every))
