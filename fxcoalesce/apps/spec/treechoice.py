@@ -46,11 +46,12 @@ import torch.distributed as dist
 from fxcoalesce.models import eagle3_static as es
 
 CANDIDATES = ((1, 1, 2), (1, 2, 3), (1, 3, 4), (1, 4, 5), (2, 3, 8), (4, 4, 16), (8, 6, 32),
-              (8, 6, 64), (8, 7, 96), (8, 8, 128))
-"""(top_k, depth, total_tokens) timed: chains of 1-4 draft tokens, then wider trees to
-EAGLE-3's default (8, 6, 64) and past it: an H100 verified 64 tokens at 1.02x the cost of 32
-(2026-12-06), so deeper, wider trees may still pay there; a CPU's verify grows with the
-tree and rules them out by its own timing."""
+              (8, 6, 64))
+"""(top_k, depth, total_tokens) timed: chains of 1-4 draft tokens, then wider trees up to
+EAGLE-3's default (8, 6, 64), which a GPU verifies at about a greedy step's cost. Deeper ones
+did not pay where measured (2026-12-06): (8,7,96) and (8,8,128) cost 5.53 and 5.78 ms on an
+H100 against 5.23 for (8,6,64) for 3.10 and 3.23 tokens against 3.05 (bf16), and were never
+chosen there or on a CPU: every sizing timed them for nothing."""
 MARGIN = 1.05
 """A tree is chosen only if its predicted tokens/s beats greedy's by this factor: the
 prediction's acceptance comes from other prompts, and the demo must never fall below
