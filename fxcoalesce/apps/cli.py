@@ -388,7 +388,7 @@ def parser() -> argparse.ArgumentParser:
                    help="share of --minutes after which generation starts no new batch "
                         "(default: %(default)s)")
     t.add_argument("--prompts", type=int,
-                   help="use only the first N training prompts (default: all, ~79k)")
+                   help="use only the first N training prompts (default: all, ~19k)")
     t.add_argument("--gen-batch", type=int, default=256,
                    help="prompts answered together (default: %(default)s)")
     t.add_argument("--gen-tokens", type=int, default=256,

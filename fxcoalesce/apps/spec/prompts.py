@@ -5,8 +5,7 @@ The target writes the responses (the draft learns the target's own distribution,
 prompts only need to be varied, not curated). Held-out prompts use topics, templates and
 coding tasks that training never sees.
 
-    training_prompts()          ~79k prompts, shuffled (seeded); a training run answers as
-                                many as its generation budget allows, in this order
+    training_prompts()          ~19k prompts, shuffled (seeded)
     held_out_prompts(n)         the first n of a fixed shuffle of the held-out set
 """
 
@@ -55,135 +54,6 @@ Write a limerick about {t}.
 What are the ethical questions around {t}?
 Suggest a weekend project involving {t}.
 Write a news headline and a short article about {t}.""".splitlines()
-
-MORE_TEMPLATES = """\
-I have a question about {t}. Can you help?
-Explain {t} in one paragraph for a busy reader.
-What are the first steps to get started with {t}?
-Write a short speech about {t}.
-Describe {t} using only simple words.
-What is the most surprising thing about {t}?
-Give me a list of do's and don'ts for {t}.
-Write a diary entry about {t}.
-Explain the difference between myths and facts about {t}.
-Write a riddle whose answer is {t}.
-Outline a lesson plan about {t}.
-What would a scientist say about {t}?
-How would you explain {t} to your grandparents?
-Write a short advertisement for {t}.
-What are the pros and cons of {t}? Answer in a table.
-Write an encyclopedia entry about {t}.
-Summarize {t} in five bullet points.
-Tell me a joke about {t}.
-What are the biggest open questions about {t}?
-Write a letter to the editor about {t}.
-Describe how {t} affects the environment.
-Plan a school project about {t}.
-Write a conversation between a teacher and a student about {t}.
-Explain {t} in exactly two sentences.
-What are the most important facts to remember about {t}?
-How do people around the world think about {t}?
-Write the opening paragraph of a novel about {t}.
-Give an example of how {t} is used in real life.
-What mistakes do people make about {t}?
-Write a motivational message related to {t}.
-Describe {t} from the point of view of a child.
-What does the word "{t}" make you think of?
-Give me a checklist related to {t}.
-Write a short review of a book about {t}.
-Explain why people disagree about {t}.
-Create a glossary of terms about {t}.
-What is a good way to remember facts about {t}?
-Write a recipe-style guide to understanding {t}.
-Answer briefly: what is {t} and why does it matter?
-Write a song chorus about {t}.""".splitlines()
-
-MORE_TOPICS = """\
-the human eye; fingerprints; twins; left-handedness; yawning; hiccups; sneezing; tears;
-bones; teeth; vision; smell; taste; touch; balance; reflexes; heartbeat; body temperature;
-sunscreen; sunburn; mosquitoes; ticks; flies; ladybugs; dragonflies; fireflies; snails;
-crabs; lobsters; seahorses; starfish; seals; otters; beavers; squirrels; rabbits;
-hedgehogs; bats; deer; bears; pandas; koalas; kangaroos; camels; giraffes; zebras;
-gorillas; chimpanzees; crows; pigeons; swans; flamingos; peacocks; ostriches; chickens;
-cows; sheep; goats; pigs; ducks; snakes; lizards; tortoises; crocodiles; salmon; goldfish;
-oak trees; pine trees; maple syrup; cactus; roses; tulips; mushrooms in forests; moss;
-seeds; pollination; leaves in autumn; tree rings; weeds; lawns; orchards; vineyards;
-strawberries; blueberries; oranges; grapes; watermelons; avocados; carrots; onions; garlic;
-beans; lentils; tofu; noodles; dumplings; tacos; curry; sandwiches; burgers; popcorn;
-cookies; cakes; pies; yogurt; butter; jam; peanut butter; lemonade; smoothies; soda;
-fast food; table manners; picnics; barbecues; school lunches; grocery shopping;
-cooking for one; meal planning; food waste; restaurants; tipping; cafes; bakeries;
-the Aztecs; the Maya; the Incas; ancient China; ancient India; Mesopotamia; the Persian
-Empire; the Ottoman Empire; samurai; the French Revolution; the American Revolution;
-the Cold War; the Space Race; the fall of the Berlin Wall; the Black Death; explorers;
-Christopher Columbus; Marco Polo; Cleopatra; Julius Caesar; Napoleon; Queen Victoria;
-Mahatma Gandhi; Martin Luther King Jr.; Nelson Mandela; Abraham Lincoln; Confucius;
-Aristotle; Plato; Socrates; Mozart; Beethoven; Bach; Frida Kahlo; Vincent van Gogh;
-Pablo Picasso; Jane Austen; Charles Dickens; Mark Twain; Homer; the Olympics in ancient
-times; the Titanic; the Panama Canal; the Suez Canal; the Statue of Liberty; Stonehenge;
-the Colosseum; Machu Picchu; the Taj Mahal; Mount Everest; the Grand Canyon; Niagara Falls;
-the Dead Sea; the Nile; the Mississippi River; the Alps; the Andes; Iceland; Japan;
-Brazil; Canada; India; Egypt; Mexico; Italy; France; Kenya; New Zealand; Norway;
-capital cities; flags; national anthems; borders; population growth; migration;
-urban gardens; bike lanes; car sharing; electric scooters; highways; parking; ferries;
-subways; buses; taxis; cargo ships; containers; supply chains; warehouses; online shopping;
-delivery drones; vending machines; barcodes; credit cards; loans; mortgages; insurance;
-retirement; pensions; wages; unemployment; trade; tariffs; exports; economics;
-supply and demand; competition; monopolies; startups; entrepreneurs; remote work;
-office life; meetings; emails at work; deadlines; burnout; work-life balance; hobbies;
-collecting stamps; coins; antiques; vinyl records; puzzles for kids; crosswords; sudoku;
-card games; poker; dominoes; marbles; yo-yos; toy boats; toy trains; dolls; lego;
-playing outside; hide and seek; tag; jump rope; swings; sandcastles; snowmen;
-snowball fights; ice skating; skiing; snowboarding; sledding; bowling; darts; archery;
-fencing; boxing; wrestling; judo; karate; gymnastics; figure skating; rowing; sailing;
-kayaking; diving; scuba diving; triathlons; horse riding; motor racing; cheerleading;
-refereeing; sports fans; stadiums; team captains; coaches; warming up; injuries;
-sports drinks; protein; carbohydrates; fats; fiber; calories; diets; fasting; cooking
-oils; food labels; allergies to nuts; gluten; lactose; caffeine; hydration; sleep hygiene;
-naps; alarm clocks; morning routines; evening routines; journaling; mindfulness;
-breathing exercises; loneliness; anger; fear; courage; honesty; trust; forgiveness;
-jealousy; pride; humility; respect; responsibility; fairness; justice; freedom; equality;
-laws; courts; juries; constitutions; parliaments; voting; citizenship; taxes for
-beginners; public health; pandemics; clean water; sanitation; hunger; poverty; housing;
-homelessness; schools in the past; school uniforms; recess; field trips; graduation;
-report cards; tutoring; study habits; note taking; memorization; flashcards; reading aloud;
-spelling bees; debate clubs; student councils; science museums; planetariums; aquarium
-fish; insects; microbes; fungi; algae; plankton; food chains; ecosystems; habitats;
-camouflage; hibernation; animal senses; animal communication; nests; spider webs;
-antlers; feathers; scales; shells; tails; wings; fins; claws; horns; venom;
-the periodic table's history; metals; plastics; rubber; wood; concrete; bricks; stone;
-clay; silk; leather; dyes; paint; ink; glue; soap; candles; matches; fire; smoke;
-heat; cold; ice; steam; boiling water; freezing; melting; evaporation; condensation;
-pressure; friction; motion; speed; acceleration; energy; force; levers; pulleys;
-wheels; gears; engines; motors; pumps; springs; pendulums; echoes; color; shadows;
-mirrors; lenses; lasers; x-rays; radio waves; microwaves; infrared; ultraviolet light;
-solar panels on houses; heat pumps; insulation; thermostats; light bulbs; fridges;
-washing machines; dishwashers; vacuum cleaners; microwave ovens; toasters; kettles;
-smart speakers; smart watches; headphones; cameras; printers; keyboards; touch screens;
-chargers; wifi; bluetooth; QR codes; apps; websites; search engines; online privacy;
-spam; scams; fake news; fact checking; digital art; streaming music; video calls;
-online games; esports; coding for kids; HTML; CSS; Linux; Git; unit tests; debugging;
-APIs; data science; big data; chatbots; neural networks; computer vision; speech
-recognition; quantum computers; microchips; semiconductors; supercomputers; the cloud;
-data centers; fiber optics; undersea cables; the history of computers; Alan Turing;
-Grace Hopper; Steve Jobs; Bill Gates; Tim Berners-Lee""".replace("\n", " ").split("; ")
-
-MORE_CODE_TASKS = """\
-counts the words longer than five letters in a sentence; returns every other element of a
-list; converts a list of numbers to their absolute values; checks whether all elements of
-a list are equal; finds the longest common prefix of a list of strings; computes the
-variance of a list of numbers; converts a string to snake case; converts kilometers to
-miles; returns the digits of a number as a list; computes the sum of a nested list;
-checks whether a number is a power of two; counts the consonants in a string; finds the
-key with the largest value in a dictionary; merges two dictionaries; sorts a list of
-tuples by the second element; removes empty strings from a list; builds a histogram of
-numbers as text; returns the n largest elements of a list; computes the cumulative product
-of a list; checks whether a string starts with a capital letter; converts a list of words
-to a sentence; returns the indices of all occurrences of a value in a list; computes the
-Hamming distance between two strings; converts Roman numerals to integers; converts integers
-to Roman numerals; validates a phone number; shuffles a list; picks a random element from a
-list; computes the mean of each column of a matrix; reads a JSON file and prints its keys""".replace(
-    "\n", " ").split("; ")
 
 HELD_OUT_TEMPLATES = """\
 Can you teach me about {t}?
@@ -330,8 +200,7 @@ def _fill(templates: list[str], topics: list[str]) -> list[str]:
 
 def training_prompts(seed: int = 0) -> list[str]:
     """Every training template with every training topic, and the coding prompts, shuffled."""
-    prompts = (_fill(TEMPLATES + MORE_TEMPLATES, TOPICS + MORE_TOPICS)
-               + _fill(CODE_TEMPLATES, CODE_TASKS + MORE_CODE_TASKS))
+    prompts = _fill(TEMPLATES, TOPICS) + _fill(CODE_TEMPLATES, CODE_TASKS)
     random.Random(seed).shuffle(prompts)
     return prompts
 

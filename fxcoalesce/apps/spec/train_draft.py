@@ -48,7 +48,7 @@ class TrainOptions:
     gen_share: float = 0.4
     """Generation stops starting batches after this share of the budget."""
     prompts: int | None = None
-    """Use only the first N training prompts (None: all ~79k; generation stops at its budget)."""
+    """Use only the first N training prompts (None: all ~19k)."""
     gen_batch: int = 256
     """Prompts answered together."""
     gen_tokens: int = 256
