@@ -7,22 +7,41 @@ session 9). Three forms of the same product: ``F.linear(x, W)``, ``(W @ x.T).T``
 
     python benchmarks/cpu_small_m_mm.py
 """
-import torch, time, statistics
-torch.set_num_threads(1)
-def bench(f, n=50):
-    for _ in range(5): f()
-    ts=[]
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = ((1536, 576), (576, 1536), (49152, 576), (576, 576))
+"""(out, in) of SmolLM2-135M's weights: MLP up/gate, MLP down, the LM head, attention."""
+
+
+def median_us(f, n: int = 50) -> float:
+    for _ in range(5):
+        f()
+    times = []
     for _ in range(n):
-        t0=time.perf_counter(); f(); ts.append(time.perf_counter()-t0)
-    return statistics.median(ts)*1e6
-for (o,i) in [(1536,576),(576,1536),(49152,576),(576,576)]:
-    W=torch.randn(o,i)
-    Wt=W.t().contiguous()
-    row=[]
-    for m in (1,2,4,8,16):
-        x=torch.randn(m,i)
-        a=bench(lambda: torch.nn.functional.linear(x,W))
-        b=bench(lambda: torch.mm(W,x.t()).t())
-        c=bench(lambda: torch.mm(x,Wt))
-        row.append(f"m={m}: lin {a:.0f} W@xT {b:.0f} x@Wt {c:.0f}")
-    print((o,i), " | ".join(row))
+        t0 = time.perf_counter()
+        f()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    for out, inp in SHAPES:
+        W = torch.randn(out, inp)
+        Wt = W.t().contiguous()
+        row = []
+        for m in (1, 2, 4, 8, 16):
+            x = torch.randn(m, inp)
+            lin = median_us(lambda: F.linear(x, W))
+            w_xt = median_us(lambda: torch.mm(W, x.t()).t())
+            x_wt = median_us(lambda: torch.mm(x, Wt))
+            row.append(f"m={m}: lin {lin:.0f} W@xT {w_xt:.0f} x@Wt {x_wt:.0f}")
+        print((out, inp), " | ".join(row))
+
+
+if __name__ == "__main__":
+    main()
