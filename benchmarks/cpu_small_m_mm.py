@@ -8,10 +8,11 @@ session 9). Three forms of the same product: ``F.linear(x, W)``, ``(W @ x.T).T``
     python benchmarks/cpu_small_m_mm.py
 """
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
+
+from fxcoalesce.apps.bench.timing import timed
 
 SHAPES = ((1536, 576), (576, 1536), (49152, 576), (576, 576))
 """(out, in) of SmolLM2-135M's weights: MLP up/gate, MLP down, the LM head, attention."""
@@ -20,12 +21,7 @@ SHAPES = ((1536, 576), (576, 1536), (49152, 576), (576, 576))
 def median_us(f, n: int = 50) -> float:
     for _ in range(5):
         f()
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        f()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e6
+    return statistics.median(timed(f, "cpu")[1] for _ in range(n))
 
 
 def main() -> None:

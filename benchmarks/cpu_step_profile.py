@@ -7,11 +7,11 @@ torch.profiler's top ops for greedy and spec (NOTES.md, session 9).
 """
 import statistics
 import sys
-import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from fxcoalesce.apps.bench.timing import timed
 from fxcoalesce.apps.spec import smollm2
 from fxcoalesce.apps.spec import treechoice as tc
 from fxcoalesce.apps.spec.demo import head_path
@@ -22,12 +22,7 @@ from fxcoalesce.models.eagle3 import prefill
 
 def median_ms(f, n: int = 7) -> float:
     f()
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        f()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+    return statistics.median(timed(f, "cpu")[1] for _ in range(n)) / 1e3
 
 
 @torch.no_grad()
