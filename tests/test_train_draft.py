@@ -149,3 +149,13 @@ def test_agreement_pools_batches_as_one_batch_of_ttt_loss():
     got = agreement(draft, samples, head_rows, 3, torch.device("cpu"), batch=2)
     assert got == pytest.approx(want, abs=1e-6)
     assert any(0.0 < x < 1.0 for x in got)  # not a degenerate score
+
+
+def test_the_schedule_follows_the_clock_or_the_passes_whichever_is_further():
+    from fxcoalesce.apps.spec.train_draft import lr_decay, progress
+
+    assert progress(30, 120, 5, None, 10) == 0.25  # no pass limit: the clock
+    assert progress(30, 120, 5, 1.0, 10) == 0.5  # half of one pass of 10 steps
+    assert progress(90, 120, 5, 1.0, 10) == 0.75  # the clock ahead of the passes
+    assert progress(30, 120, 40, 2.0, 10) == 1.0  # never past the end
+    assert lr_decay(0.0) == 1.0 and abs(lr_decay(1.0) - 0.1) < 1e-12 and lr_decay(0.5) == 0.55

@@ -450,6 +450,8 @@ def check_train_draft(args) -> None:
     if not 0 < args.gen_share <= 1:
         raise ValueError(f"--gen-share must be in (0, 1], not {args.gen_share}")
     _positive(lr=args.lr)
+    if args.epochs is not None:
+        _positive(epochs=args.epochs)
     _at_least(1, gen_batch=args.gen_batch, gen_tokens=args.gen_tokens,
               draft_vocab=args.draft_vocab, ttt_steps=args.ttt_steps,
               batch_tokens=args.batch_tokens)

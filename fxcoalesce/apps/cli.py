@@ -153,7 +153,7 @@ def cmd_train_draft(args) -> int:
                        gen_batch=args.gen_batch,
                        gen_tokens=args.gen_tokens, draft_vocab=args.draft_vocab,
                        ttt_steps=args.ttt_steps, batch_tokens=args.batch_tokens, lr=args.lr,
-                       held_out=args.held_out)
+                       epochs=args.epochs, held_out=args.held_out)
     stats = run_train_draft(opt, command="fxcoalesce " + " ".join(sys.argv[1:]))
     log = Path(args.out) / "train_log.json"
     log.write_text(json.dumps(stats, indent=1))
@@ -401,6 +401,10 @@ def parser() -> argparse.ArgumentParser:
                    help="token positions per optimizer step (default: %(default)s)")
     t.add_argument("--lr", type=float, default=1e-3,
                    help="peak learning rate (default: %(default)s)")
+    t.add_argument("--epochs", type=float,
+                   help="stop after this many passes over the generated data (default: at the "
+                        "deadline); at most 1, the last batch's top-1 is on text not yet "
+                        "trained on")
     t.add_argument("--held-out", type=int, default=16,
                    help="held-out prompts the finished head is scored on, as training scores "
                         "its last batch (train_log.json: held_out_top1; 0: none; default: "

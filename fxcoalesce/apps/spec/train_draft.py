@@ -60,7 +60,14 @@ class TrainOptions:
     batch_tokens: int = 16384
     """Training positions per optimizer step (whole sequences, padded)."""
     lr: float = 1e-3
-    """Peak AdamW learning rate (warm-up over 20 steps, cosine to 10% at the deadline)."""
+    """Peak AdamW learning rate (warm-up over 20 steps, then a cosine to 10% at the deadline,
+    or after ``epochs`` where those come first)."""
+    epochs: float | None = None
+    """Stop after this many passes over the generated data (None: at the deadline); the
+    learning rate's cosine then follows the passes, or the clock if that runs out first.
+    At most 1, every batch is text the head has not trained on when ``last_top1`` scores it
+    (one pass on an H100: 0.61 on the last batch, 0.53 on held-out templates: the gap is the
+    templates, not repeated text; benchmarks/NOTES.md, session 10)."""
     checkpoint_s: float = 60.0
     """Seconds between checkpoints."""
     held_out: int = 16
@@ -247,6 +254,21 @@ def agreement(draft, samples: list[Sample], head_rows: torch.Tensor, steps: int,
     return [h / max(n, 1) for h, n in zip(hits, seen)]
 
 
+def progress(elapsed: float, budget: float, step: int, epochs: float | None,
+             per_epoch: int) -> float:
+    """How far training is, 0 to 1: the clock's share of the budget, or the steps' share of
+    ``epochs`` passes of ``per_epoch`` steps where that is further."""
+    done = elapsed / budget
+    if epochs is not None:
+        done = max(done, step / (epochs * per_epoch))
+    return min(done, 1.0)
+
+
+def lr_decay(done: float) -> float:
+    """The learning rate's factor at ``progress`` ``done``: a cosine from 1 to 0.1."""
+    return 0.1 + 0.45 * (1 + math.cos(math.pi * done))
+
+
 def run_train_draft(opt: TrainOptions, command: str = "") -> dict:
     from fxcoalesce.models.eagle3_train import unrolled_forward
 
@@ -307,15 +329,17 @@ def run_train_draft(opt: TrainOptions, command: str = "") -> dict:
     train_budget = max(deadline - t_train, 1e-6)
     epoch = 0
     done = not samples
+    per_epoch = len(batches(samples, opt.batch_tokens, random.Random(0))) if samples else 1
     while not done:
         groups = batches(samples, opt.batch_tokens, rng)
         for g, group in enumerate(groups):
             now = time.perf_counter()
-            if now >= deadline:
+            if now >= deadline or (opt.epochs is not None
+                                   and epoch + g / len(groups) >= opt.epochs):
                 done = True
                 break
             step = stats["steps"]
-            decay = 0.1 + 0.45 * (1 + math.cos(math.pi * (now - t_train) / train_budget))
+            decay = lr_decay(progress(now - t_train, train_budget, step, opt.epochs, per_epoch))
             for grp in optim.param_groups:
                 grp["lr"] = opt.lr * min(1.0, (step + 1) / 20) * decay
             tokens, states, normed, valid = collate([samples[i] for i in group], dev)
