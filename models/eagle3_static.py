@@ -57,6 +57,23 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def topk_rows(x: torch.Tensor, k: int, chunk: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x.topk(k)`` over the last dimension (the same values, descending; ties may pick other
+    indices) in two sorts of short rows: each ``chunk`` of a row its top k, then the row's
+    top k of those. On an H100 ``topk`` of 8 over a draft vocabulary of 8192 took 45 us a call
+    (a radix select, one block a row: 8 blocks), five of them a step of the (8, 6, 64) tree;
+    a sort of rows of 128 is one kernel over many blocks (benchmarks/NOTES.md, session 10)."""
+    *lead, V = x.shape
+    if V <= chunk or V % chunk:
+        v, i = x.sort(-1, descending=True)
+        return v[..., :k], i[..., :k]
+    v, i = x.reshape(*lead, V // chunk, chunk).sort(-1, descending=True)
+    base = torch.arange(0, V, chunk, device=x.device)[:, None]
+    v, i = v[..., :k].flatten(-2), (i[..., :k] + base).flatten(-2)  # [..., V / chunk * k]
+    v, j = v.sort(-1, descending=True)
+    return v[..., :k], i.gather(-1, j[..., :k])
+
+
 def draft_tree_static(draft: Eagle3Draft, tokens: torch.Tensor, hidden: torch.Tensor,
                       n: torch.Tensor, L: torch.Tensor, spec: TreeSpec):
     """tokens [M], hidden [M, 3H]: the pairs at positions L - n .. L - 1 (first n real), n and
@@ -69,7 +86,8 @@ def draft_tree_static(draft: Eagle3Draft, tokens: torch.Tensor, hidden: torch.Te
     logits, out = draft(tokens[None], draft.fc(hidden[None]), pos, pos,
                         (slots[None, :] <= pos[:, None])[None, None])
     last = (n - 1).view(1)  # the root's row
-    scores, ids = logits[0].index_select(0, last)[0].to(_acc(logits.dtype)).log_softmax(-1).topk(k)
+    scores, ids = topk_rows(logits[0].index_select(0, last)[0].to(_acc(logits.dtype))
+                            .log_softmax(-1), k)
     pool_ids, pool_scores = [ids], [scores]
     pool_parent = [torch.full((k,), -1, device=dev)]
     pool_level = [torch.zeros(k, dtype=torch.long, device=dev)]
@@ -83,13 +101,13 @@ def draft_tree_static(draft: Eagle3Draft, tokens: torch.Tensor, hidden: torch.Te
         node_pos = (L - 1 + d).expand(k)
         logits, out = draft(draft.to_target(flat_ids[frontier])[None], frontier_hidden[None],
                             node_pos, node_slots, sees[None, None])
-        child_scores, child_ids = logits[0].to(_acc(logits.dtype)).log_softmax(-1).topk(k)
+        child_scores, child_ids = topk_rows(logits[0].to(_acc(logits.dtype)).log_softmax(-1), k)
         child_scores = flat_scores[frontier][:, None] + child_scores  # [k, k]
         pool_ids.append(child_ids.flatten())
         pool_scores.append(child_scores.flatten())
         pool_parent.append(frontier.repeat_interleave(k))
         pool_level.append(torch.full((k * k,), d, device=dev))
-        best = child_scores.flatten().topk(k).indices
+        best = topk_rows(child_scores.flatten(), k)[1]
         parent = best // k
         frontier, frontier_hidden = flat_ids.shape[0] + best, out[0, parent]
         frontier_sees = sees[parent]

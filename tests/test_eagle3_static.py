@@ -25,6 +25,20 @@ def assert_same_tree(got: e3.Tree, want: e3.Tree) -> None:
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("shape", [(8192,), (8, 8192), (3, 1000), (64,), (5,)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_topk_rows_is_topk(shape, dtype):
+    """The same values as ``topk``, descending, and indices that hold them; bfloat16 (few
+    values) has ties across chunks; (3, 1000) and (64,) take the one-sort path."""
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(len(shape))).to(dtype)
+    k = min(8, shape[-1])
+    want = x.topk(k)
+    values, ids = es.topk_rows(x, k)
+    assert torch.equal(values, want.values) and ids.dtype == want.indices.dtype
+    assert torch.equal(x.gather(-1, ids), values)
+    assert all(len(set(row)) == k for row in ids.reshape(-1, k).tolist())
+
+
 def test_static_tree_equals_draft_tree():
     """After an eager catch-up on the first pairs, one real pair (as after a prefill), then
     three real pairs padded to depth + 1 (as after a verify that accepted two tokens): the
