@@ -12,8 +12,11 @@ tokens: top_k 1, total_tokens depth + 1), per depth.
 to held-out prompts (``treechoice.simulate``, which takes the decoder's steps): what the
 tree chooser reads.
 
-Prompts: ``--set held-out`` (the demo's kind: templates and topics training never saw) or
-``--set train`` (training's own prompts, whose responses the head was trained on). The text
+Prompts: ``--set held-out`` (the demo's kind: templates and topics training never saw),
+``--set train`` (training's own prompts, whose responses the head was trained on) or
+``--set unseen`` (training's templates and topics, prompts the head never answered: those past
+its ``prompts_used`` in training's order, the text a training batch scores before it has
+trained on it). The text
 scored teacher-forced is the target's greedy answer, which every chain reproduces.
 """
 
@@ -112,7 +115,7 @@ def per_depth(accepted: list[list[int]], depth: int) -> tuple[list[float], list[
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--draft", default=None, help="head directory (default: the repository's)")
-    p.add_argument("--set", default="held-out", choices=["held-out", "train"])
+    p.add_argument("--set", default="held-out", choices=["held-out", "train", "unseen"])
     p.add_argument("--prompts", type=int, default=3)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--depths", default="1,2,3,4")
@@ -146,8 +149,9 @@ def worker(rank: int, world: int, argv: list[str]) -> dict:
         from fxcoalesce.models import llama
 
         llama.apply_tp(target, dist.group.WORLD)
+    used = meta.get("training", {}).get("prompts_used", 0) if args.set == "unseen" else 0
     texts = (held_out_prompts(args.prompts) if args.set == "held-out"
-             else training_prompts(0)[: args.prompts])
+             else training_prompts(0)[used : used + args.prompts])
     depths = [int(d) for d in args.depths.split(",")]
     steps = max(depths)
     chains = {d: [] for d in depths}
