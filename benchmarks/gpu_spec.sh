@@ -53,6 +53,10 @@ run() {  # a step under its own timeout; its exit status is the pipeline's
 
 install() {
     shopt -s nullglob
+    # setuptools copies a source into build/lib only where it is newer than the copy there: a
+    # warm machine keeps build/ from the last call, and a file put back to an older version
+    # (its checkout time) was not installed; that call ran the earlier code (session 10)
+    rm -rf "$R/build/lib"
     run 300 python3 -m pip install -q --no-deps --no-build-isolation --upgrade --target "$SITE" \
         "$R" "$CARRY"/*.whl || return 1
     export PYTHONPATH=$SITE
