@@ -35,11 +35,15 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-SLOWEST_FIRST = ("test_fuzz_ranks.py", "test_rank_safety.py", "test_rank_order.py",
-                 "test_ranks.py", "test_agreement.py", "test_hf_tp.py", "test_smollm2_spec.py",
-                 "test_inspect_compose.py", "test_smollm2_cli.py", "test_smollm2.py",
-                 "test_codegen.py", "test_compile_cache.py", "test_job_life.py")
-"""The files that take longest (benchmarks/NOTES.md, the default run's time), longest first."""
+SLOWEST_FIRST = ("test_ranks.py", "test_inspect_compose.py", "test_rank_order.py",
+                 "test_dynamic.py", "test_codegen.py", "test_smollm2.py", "test_fuzz_ranks.py",
+                 "test_rank_safety.py", "test_job_life.py", "test_smollm2_spec.py",
+                 "test_cli.py", "test_compile_cache.py", "test_train_draft.py",
+                 "test_compile_modes.py", "test_agreement.py", "test_notebook.py",
+                 "test_models_compile.py", "test_eagle3.py", "test_property_ranks.py",
+                 "test_hf_tp.py")
+"""The files that take longest (the default run's ``--durations``, summed per file), longest
+first; test_models_compile well after test_codegen, whose kernels it reuses (the cache above)."""
 
 
 def pytest_collection_modifyitems(items):

@@ -51,9 +51,11 @@ def test_report_counts_symbolic_all_reduces_in_the_bound():
 
 @pytest.fixture
 def neox_tp2():
+    """neox-tiny with 2 of its 4 layers: 5 all_reduces, 3 after (a symbolic Inductor compile
+    of all 4 took 30-36 s on 2 loaded cores; the fusion is per layer)."""
     init_fake_group(2)
     torch.manual_seed(0)
-    return apply_tp(build("neox-tiny"), dist.group.WORLD)
+    return apply_tp(build("neox-tiny", layers=2), dist.group.WORLD)
 
 
 def test_dynamic_true_inductor_code_has_the_fused_launches(neox_tp2):
@@ -66,13 +68,13 @@ def test_dynamic_true_inductor_code_has_the_fused_launches(neox_tp2):
         out, (code,) = run_and_get_code(compiled, tokens)
         want = neox_tp2(tokens)
     (report,) = fxcoalesce.reports()
-    # 9 -> 5 on a graph whose sizes are symbols, and the generated code issues 5
-    assert (report.all_reduce["before"], report.all_reduce["after"]) == (9, 5)
+    # 5 -> 3 on a graph whose sizes are symbols, and the generated code issues 3
+    assert (report.all_reduce["before"], report.all_reduce["after"]) == (5, 3)
     # the wrapper checks the tokens' length as a symbol, not as 6: compiled for any length
     # (torch 2.15 checks several inputs in one assert_size_stride_grouped call)
     FileCheck().check_regex(r"assert_size_stride(_grouped)?\(.*\(1, s\d+\)").run(code)
-    # and issues the 5 all_reduces, each in place on its buffer
-    FileCheck().check_count("_c10d_functional.all_reduce_.default(", 5, exactly=True).run(code)
+    # and issues the 3 all_reduces, each in place on its buffer
+    FileCheck().check_count("_c10d_functional.all_reduce_.default(", 3, exactly=True).run(code)
     FileCheck().check_not("_c10d_functional.all_reduce.default(").run(code)
     torch.testing.assert_close(out, want)
 
@@ -87,7 +89,7 @@ def test_second_length_recompiles_symbolic_and_keeps_the_fusion(neox_tp2):
             tokens = torch.randint(0, 512, (1, n))
             torch.testing.assert_close(compiled(tokens), neox_tp2(tokens))
     static, dynamic = fxcoalesce.reports()
-    assert all((r.all_reduce["before"], r.all_reduce["after"]) == (9, 5)
+    assert all((r.all_reduce["before"], r.all_reduce["after"]) == (5, 3)
                for r in (static, dynamic))
     # the first graph is static, the recompiled one symbolic (bytes from size hints)
     assert not any(w["symbolic"] for w in static.windows)

@@ -8,7 +8,8 @@ the ATen graph); with grad enabled they go through DTensor, whose ``to_local`` l
 ``copy(buf, wait)``: the layout-only ops ``passes.layout`` sees through. One spawn compiles
 every case with fxcoalesce (``codegen="eager"``: the rewritten ATen graph run as Python,
 which keeps this file within a minute; the Inductor codegen runs in the slow test) and
-compares the logits with plain ``torch.compile``'s (``no_grad``) or the eager forward's.
+compares the logits with the eager forward's (within 2e-7; the slow Inductor run compares
+them with plain ``torch.compile``'s, whose Inductor build took 45 s of this file's 70).
 
     model (2 layers)   all_reduces          bytes (6 tokens)
     Llama              5 -> 5 (its bound)   7680 -> 7680    embedding + 2 chained per layer
@@ -85,11 +86,11 @@ def _worker(rank, world, root, cases, codegen):
         be = fxcoalesce.backend(fxcoalesce.Config(codegen=codegen, strict=True),
                                 on_graph=lambda b, a, r: reports.append(r))
         ours = _compiled(model, ids, be, grad, name)
-        if grad:
+        if codegen == "inductor" and not grad:
+            want = _compiled(model, ids, "inductor", grad, name)
+        else:
             with torch.no_grad():
                 want = _logits(model)(ids)
-        else:
-            want = _compiled(model, ids, "inductor", grad, name)
         (report,) = reports
         out[name, grad] = {"all_reduce": report.all_reduce,
                            "kinds": sorted(b["kind"] for b in report.buckets),

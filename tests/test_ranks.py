@@ -58,13 +58,15 @@ def test_inductor_two_ranks_bit_exact():
 
 
 def _two_lengths(rank, world):
+    """neox-tiny with 2 of its 4 layers (the fusion is per layer; all 4 took 30-40 s on 2
+    loaded cores), each length without and with the passes."""
     from fxcoalesce import models
 
     torch.set_num_threads(1)
     outs, reports = {}, []
     for passes in ((), ("bucket", "schedule")):
         torch._dynamo.reset()
-        model = models.apply_tp(models.build("neox-tiny"), dist.group.WORLD)
+        model = models.apply_tp(models.build("neox-tiny", layers=2), dist.group.WORLD)
         be = fxcoalesce.backend(fxcoalesce.Config(passes=passes, codegen="eager", strict=True),
                                 on_graph=lambda b, a, r: reports.append(r))
         step = torch.compile(model, backend=be, fullgraph=True)
@@ -78,8 +80,8 @@ def _two_lengths(rank, world):
 def test_symbolic_sizes_on_real_ranks_bit_exact():
     res = spawn(_two_lengths, 2, (), backend="gloo")
     for r in res:
-        # without the pass: 9 launches per graph; with it: 5, static and symbolic alike
-        assert r["after"] == [9, 9, 5, 5]
+        # without the pass: 5 launches per graph; with it: 3, static and symbolic alike
+        assert r["after"] == [5, 5, 3, 3]
         for n in (5, 8):
             assert torch.equal(r["outs"][(), n], r["outs"][("bucket", "schedule"), n])
 

