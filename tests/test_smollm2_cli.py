@@ -65,6 +65,8 @@ def fake_head(path, **changes):
     (["train-draft", "--out", "x", "--ttt-steps", "0"], "--ttt-steps must be at least 1, not 0"),
     (["train-draft", "--out", "x", "--gen-share", "1.5"],
      "--gen-share must be in (0, 1], not 1.5"),
+    (["train-draft", "--out", "x", "--epochs", "0"], "--epochs must be > 0, not 0.0"),
+    (["train-draft", "--out", "x", "--epochs", "nan"], "--epochs must be > 0, not nan"),
     (["demo", "--model", "smollm2-135m", "--tp", "5"], "smollm2-135m: tensor parallelism 5 "
      "does not divide the MLP hidden size (inter_dim) (1536); choose a TP degree that divides "
      "1536"),
