@@ -6,6 +6,10 @@ times the candidates, CUDA events), then torch.profiler's top ops for greedy and
 (NOTES.md, sessions 9-10).
 
     python benchmarks/step_profile.py [--threads 1] [--tree 1,1,2] [--device cuda] [--head DIR]
+                                      [--compile]
+
+``--compile``: each of the four through ``torch.compile`` (Inductor, fullgraph; on CUDA the
+compiled call captured in a CUDA graph), as the decoder runs its steps, four compiles.
 """
 import argparse
 import statistics
@@ -36,6 +40,7 @@ def main() -> None:
     ap.add_argument("--tree", default="1,1,2", help="top_k,depth,total_tokens")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--head", help="head directory (default: the committed one)")
+    ap.add_argument("--compile", action="store_true", help="time and profile compiled steps")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dev = torch.device(args.device)
@@ -50,7 +55,8 @@ def main() -> None:
     T = -(-(len(ids) + 64 + room) // 64) * 64  # as the demo sizes its cache
     target.setup_cache(1, T)
     draft.setup_cache(T + draft_room)
-    print("device", dev, dtype, "cache", T, "prompt", len(ids), "tree", args.tree)
+    print("device", dev, dtype, "cache", T, "prompt", len(ids), "tree", args.tree,
+          "compiled" if args.compile else "eager")
     logits, hidden = prefill(target, torch.tensor(ids, device=dev))
     P, root = len(ids), logits[-1].argmax()
     greedy_state = torch.stack([root, torch.tensor(P, device=dev)])
@@ -61,11 +67,15 @@ def main() -> None:
     pairs = hidden.new_zeros(spec.pairs, hidden.shape[-1])
     pairs[0] = hidden[-1]
     tree = es.draft_tree_static(draft, state[2:], pairs, state[1], state[0], spec)
+    fn = {"greedy": es.decode_step, "spec": es.spec_step, "draft": es.draft_tree_static,
+          "verify": es.verify_accept_static}
+    if args.compile:
+        fn = {name: torch.compile(f, fullgraph=True) for name, f in fn.items()}
     steps = {
-        "greedy": lambda: es.decode_step(target, greedy_state),
-        "spec": lambda: es.spec_step(target, draft, state, pairs, spec),
-        "draft": lambda: es.draft_tree_static(draft, state[2:], pairs, state[1], state[0], spec),
-        "verify": lambda: es.verify_accept_static(target, *tree[:4], state[0], spec.pairs),
+        "greedy": lambda: fn["greedy"](target, greedy_state),
+        "spec": lambda: fn["spec"](target, draft, state, pairs, spec),
+        "draft": lambda: fn["draft"](draft, state[2:], pairs, state[1], state[0], spec),
+        "verify": lambda: fn["verify"](target, *tree[:4], state[0], spec.pairs),
     }
     for name, f in steps.items():
         print(f"{name} {median_ms(f, dev):.3f} ms")
