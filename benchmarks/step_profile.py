@@ -78,7 +78,8 @@ def main() -> None:
         "verify": lambda: fn["verify"](target, *tree[:4], state[0], spec.pairs),
     }
     for name, f in steps.items():
-        print(f"{name} {median_ms(f, dev):.3f} ms")
+        print(f"{name} ...", end=" ", flush=True)  # a compile takes minutes on a CPU
+        print(f"{median_ms(f, dev):.3f} ms", flush=True)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
     sort = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
     for name in ("greedy", "spec"):

@@ -329,7 +329,6 @@ def run_train_draft(opt: TrainOptions, command: str = "") -> dict:
     train_budget = max(deadline - t_train, 1e-6)
     epoch = 0
     done = not samples
-    per_epoch = len(batches(samples, opt.batch_tokens, random.Random(0))) if samples else 1
     while not done:
         groups = batches(samples, opt.batch_tokens, rng)
         for g, group in enumerate(groups):
@@ -339,7 +338,9 @@ def run_train_draft(opt: TrainOptions, command: str = "") -> dict:
                 done = True
                 break
             step = stats["steps"]
-            decay = lr_decay(progress(now - t_train, train_budget, step, opt.epochs, per_epoch))
+            # every pass has as many groups (they depend on the samples' lengths only)
+            decay = lr_decay(progress(now - t_train, train_budget, step, opt.epochs,
+                                      len(groups)))
             for grp in optim.param_groups:
                 grp["lr"] = opt.lr * min(1.0, (step + 1) / 20) * decay
             tokens, states, normed, valid = collate([samples[i] for i in group], dev)
