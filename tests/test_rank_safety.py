@@ -54,10 +54,18 @@ def run_steps(f, fn, make_args, n: int, before=None, tol=1e-5) -> list:
             try:
                 got = waited(f(*args))
             except Exception as e:  # noqa: BLE001 (what the test reports)
-                out.append(f"{type(e).__name__}: {e}"[:300])
+                said = f"{type(e).__name__}: {e}"
+                out.append(said if len(said) <= 450 else f"{said[:300]} ... {said[-150:]}")
                 break
             out.append(True if close(got, want, tol) else f"wrong at step {step}")
     return out
+
+
+def stopped_at_once(said: str) -> bool:
+    """A peer of the rank that stopped stopped at once, not on gloo's timeout: on its tag
+    check (what the stopped rank sent it) or, where its heartbeat read the store first, with
+    the stopped rank's own reason (which path wins is a race: both are within a second)."""
+    return "a peer issued another collective" in said or "read from the store" in said
 
 
 # --- 1. a flag one rank sets, after the function was compiled cut two ways ---
@@ -243,8 +251,7 @@ def test_the_recompile_limit_on_one_rank_for_a_rewrite_stops_every_rank_at_once(
         assert steps[:2] == [True, True] and len(steps) == 3, res
         assert steps[2].startswith("CollectiveMismatchError"), res
     assert "recompile_limit" in res[0][0][2], res
-    # rank 1 stopped on its tag check at once (what rank 0 sent it), not on gloo's timeout
-    assert "a peer issued another collective" in res[1][0][2], res
+    assert stopped_at_once(res[1][0][2]), res
 
 
 # --- a rewritten function that Dynamo, at a recompile, skips or compiles only in part ---
@@ -300,8 +307,7 @@ def test_a_skip_at_a_recompile_on_one_rank_stops_every_rank_at_once(fn, hook):
             "looped_partly": ["cannot resume", f"Dynamo skip {fn}"]}[fn]
     assert any(how in res[0][0][2] for how in hows), res
     assert "rank 1 runs it compiled" in res[0][0][2], res
-    # rank 1 stopped on its tag check at once (what rank 0 sent it), not on gloo's timeout
-    assert "a peer issued another collective" in res[1][0][2], res
+    assert stopped_at_once(res[1][0][2]), res
 
 
 @pytest.mark.parametrize("fn", [pytest.param("looped", marks=pytest.mark.slow),

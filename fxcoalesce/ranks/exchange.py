@@ -312,7 +312,9 @@ def _heard_a_stop(store) -> None:
     its main thread the peer's error, raised at its next Python instruction. The rank may be
     where no fxcoalesce code runs: in an eager collective with the stopped rank (which then
     fails with the transport's error once that rank's process ends: the peer waits at exit
-    until every rank has read why, :func:`mark_exit`), or in code that would reach one."""
+    until every rank has read why, :func:`mark_exit`), or in code that would reach one; or
+    in a tagged collective, before the stopped rank's stand-ins fail its check (a race:
+    either error says why)."""
     import threading
 
     from .check import RAISED
@@ -325,8 +327,8 @@ def _heard_a_stop(store) -> None:
     if not why or not main.is_alive() or threading.current_thread() is main:
         return
     _INTERRUPTED.append(why)
-    _send(main.ident, f"fxcoalesce: {why} (read from the store: this rank ran code outside "
-                      "fxcoalesce's graphs, such as an eager collective, when it stopped)")
+    _send(main.ident, f"fxcoalesce: {why} (read from the store: this rank was waiting in a "
+                      "collective, or ran code outside fxcoalesce's graphs, when that rank stopped)")
 
 
 def _send(thread_id: int, message: str) -> None:
