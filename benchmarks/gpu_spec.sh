@@ -8,6 +8,10 @@
 #                                              #   committed heads/smollm2-135m makes it optional)
 #   bash benchmarks/gpu_spec.sh tp1            # ~4 min: one H200, CUDA graphs
 #   bash benchmarks/gpu_spec.sh tp2            # ~5 min: two H200s, NCCL, through fxcoalesce
+#   bash benchmarks/gpu_spec.sh tp1 tp1 tp1    # a stage named again runs again (caches warm:
+#                                              #   ~1-2 min each), its outputs numbered; the
+#                                              #   speedups of every run and their median last
+#   bash benchmarks/gpu_spec.sh profile        # step_profile.py --compile on this GPU (TREE)
 #
 # tp1/tp2 size the tree as `fxcoalesce demo` does (spec_bench.py --tree auto: each candidate
 # step timed here as a CUDA-graph replay, the head's acceptance, greedy where no tree is
@@ -21,7 +25,9 @@
 #        `split -b 32787478 SmolLM2-135M-Instruct.Q4_1.gguf SmolLM2-135M-Instruct.Q4_1.gguf.part-`
 # train  writes $OUT/head/ (config.json, index, safetensors shards <= 15 MiB, train_log.json)
 #        as it goes (a checkpoint every minute) and copies it to /tmp/fxc-head
-# tp1/2  $OUT/spec_tp1.json / spec_tp2.json, rewritten after every prompt
+# tp1/2  $OUT/spec_tp1.json / spec_tp2.json, rewritten after every prompt (a repeat: spec_tp1.2.json)
+# profile  the greedy and the tree's step, draft and verify apart, compiled and captured in CUDA
+#        graphs, and their top kernels (TREE, default 8,6,64; PROFILE_ARGS)
 # The GGUF is $FXCOALESCE_SMOLLM2_GGUF, else /tmp/fxc-gguf's. The head of tp1/tp2 is $HEAD,
 # else /tmp/fxc-head (a warm machine), else heads/smollm2-135m. Each stage logs to
 # $OUT/<stage>.log. Knobs, GPU defaults: DEVICE=cuda MINUTES=5 PROMPTS=32 TOKENS=256
@@ -110,15 +116,41 @@ stage() {
         install && (cd /tmp && check) || return 1
         (cd /tmp && run "$BENCH_TIMEOUT" python3 "$R/benchmarks/spec_bench.py" --draft "$HEAD" \
             --tp "${stage#tp}" --device "$DEVICE" --prompts "$PROMPTS" --tokens "$TOKENS" \
-            --tree "$TREE" $BENCH_ARGS --out "$OUT/spec_$stage.json") ;;
-    *) echo "unknown stage $stage (prep, train, tp1, tp2)"; return 2 ;;
+            --tree "$TREE" $BENCH_ARGS --out "$OUT/spec_$stage$RUN.json") ;;
+    profile)
+        gguf_env
+        install && (cd /tmp && check) || return 1
+        local tree=$TREE
+        [[ $tree =~ ^[0-9]+,[0-9]+,[0-9]+$ ]] || tree=8,6,64
+        (cd /tmp && run "$BENCH_TIMEOUT" python3 "$R/benchmarks/step_profile.py" --device "$DEVICE" \
+            --compile --tree "$tree" --head "$HEAD" ${PROFILE_ARGS:-}) ;;
+    *) echo "unknown stage $stage (prep, train, tp1, tp2, profile)"; return 2 ;;
     esac
 }
 
+summary() {  # each tp run's speedup, and their median where a stage ran more than once
+    python3 - "$OUT" <<'PY'
+import json, pathlib, statistics, sys
+for tp in ("tp1", "tp2"):
+    runs = sorted(pathlib.Path(sys.argv[1]).glob(f"spec_{tp}*.json"),
+                  key=lambda f: (len(f.name), f.name))  # spec_tp1.json, then .2, .3
+    got = [json.loads(f.read_text()) for f in runs]
+    x = [g["speedup_vs_target_greedy"] for g in got if g.get("speedup_vs_target_greedy")]
+    if len(x) > 1:
+        print(f"{tp}: speedups {' '.join(f'{v:.2f}x' for v in x)}, median "
+              f"{statistics.median(x):.2f}x over {len(x)} runs; accepted "
+              f"{' '.join(str(g.get('mean_accepted')) for g in got)}")
+PY
+}
+
 rc=0
+declare -A seen=()
 for s in "$@"; do
-    stage "$s" 2>&1 | tee "$OUT/$s.log"
+    seen[$s]=$(( ${seen[$s]:-0} + 1 ))
+    RUN=""; [ "${seen[$s]}" -eq 1 ] || RUN=".${seen[$s]}"
+    stage "$s" 2>&1 | tee "$OUT/$s$RUN.log"
     rc=${PIPESTATUS[0]}
     [ "$rc" -eq 0 ] || break
 done
+summary
 exit "$rc"
