@@ -25,7 +25,7 @@
 #        `split -b 32787478 SmolLM2-135M-Instruct.Q4_1.gguf SmolLM2-135M-Instruct.Q4_1.gguf.part-`
 # train  writes $OUT/head/ (config.json, index, safetensors shards <= 15 MiB, train_log.json)
 #        as it goes (a checkpoint every minute) and copies it to /tmp/fxc-head
-# tp1/2  $OUT/spec_tp1.json / spec_tp2.json, rewritten after every prompt (a repeat: spec_tp1.2.json)
+# tp1/2  $OUT/spec_tp1.json / spec_tp2.json, rewritten after every prompt (again: spec_tp1.2.json)
 # profile  the greedy and the tree's step, draft and verify apart, compiled and captured in CUDA
 #        graphs, and their top kernels (TREE, default 8,6,64; PROFILE_ARGS)
 # The GGUF is $FXCOALESCE_SMOLLM2_GGUF, else /tmp/fxc-gguf's. The head of tp1/tp2 is $HEAD,
@@ -74,6 +74,11 @@ gguf_env() {  # the GGUF prep assembled, unless FXCOALESCE_SMOLLM2_GGUF names on
     fi
 }
 
+ready() {  # the GGUF found, the checkout installed, the libraries and the GPUs checked
+    gguf_env
+    install && (cd /tmp && check)
+}
+
 check() {  # the libraries, the GPUs, the GGUF's sha256
     run 120 python3 -c "import torch, gguf, tokenizers, safetensors, yaml, jinja2, fxcoalesce
 print('torch', torch.__version__, 'GPUs', torch.cuda.device_count(),
@@ -104,26 +109,23 @@ stage() {
             echo "GGUF incomplete: ${#parts[@]} part(s), $have of 98362432 bytes so far"
         fi ;;
     train)
-        gguf_env
-        install && (cd /tmp && check) || return 1
+        ready || return 1
         (cd /tmp && run "$TRAIN_TIMEOUT" python3 -m fxcoalesce.apps.cli train-draft \
             --out "$OUT/head" --device "$DEVICE" --minutes "$MINUTES" $TRAIN_ARGS)
         local rc=$?
         rm -rf /tmp/fxc-head && cp -r "$OUT/head" /tmp/fxc-head
         return $rc ;;
     tp1|tp2)
-        gguf_env
-        install && (cd /tmp && check) || return 1
+        ready || return 1
         (cd /tmp && run "$BENCH_TIMEOUT" python3 "$R/benchmarks/spec_bench.py" --draft "$HEAD" \
             --tp "${stage#tp}" --device "$DEVICE" --prompts "$PROMPTS" --tokens "$TOKENS" \
             --tree "$TREE" $BENCH_ARGS --out "$OUT/spec_$stage$RUN.json") ;;
     profile)
-        gguf_env
-        install && (cd /tmp && check) || return 1
+        ready || return 1
         local tree=$TREE
         [[ $tree =~ ^[0-9]+,[0-9]+,[0-9]+$ ]] || tree=8,6,64
-        (cd /tmp && run "$BENCH_TIMEOUT" python3 "$R/benchmarks/step_profile.py" --device "$DEVICE" \
-            --compile --tree "$tree" --head "$HEAD" ${PROFILE_ARGS:-}) ;;
+        (cd /tmp && run "$BENCH_TIMEOUT" python3 "$R/benchmarks/step_profile.py" \
+            --device "$DEVICE" --compile --tree "$tree" --head "$HEAD" ${PROFILE_ARGS:-}) ;;
     *) echo "unknown stage $stage (prep, train, tp1, tp2, profile)"; return 2 ;;
     esac
 }

@@ -328,7 +328,8 @@ def _heard_a_stop(store) -> None:
         return
     _INTERRUPTED.append(why)
     _send(main.ident, f"fxcoalesce: {why} (read from the store: this rank was waiting in a "
-                      "collective, or ran code outside fxcoalesce's graphs, when that rank stopped)")
+                      "collective, or ran code outside fxcoalesce's graphs, when that rank "
+                      "stopped)")
 
 
 def _send(thread_id: int, message: str) -> None:
