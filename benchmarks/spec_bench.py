@@ -40,12 +40,17 @@ def main(argv=None) -> int:
     p.add_argument("--codegen", default="inductor", choices=["inductor", "eager"])
     p.add_argument("--mode", default="reduce-overhead",
                    help="torch.compile mode of both steps ('default': no CUDA graphs)")
+    p.add_argument("--prefill", default=None, choices=["eager", "compiled"],
+                   help="both decodings' prefill: eager in the prompt's shape, or compiled "
+                        "like the steps, the prompt padded to a multiple of 64 (default: "
+                        "compiled on cuda, eager on cpu)")
     p.add_argument("--warmup-tokens", type=int, default=64)
     p.add_argument("--out", required=True, help="JSON file (rewritten after every prompt)")
     args = p.parse_args(argv)
     from fxcoalesce.apps.spec.treechoice import parse_tree
 
     tree = parse_tree(args.tree)
+    args.prefill = args.prefill or ("compiled" if args.device == "cuda" else "eager")
 
     t0 = time.perf_counter()
     gguf = smollm2.gguf_path()
@@ -55,9 +60,10 @@ def main(argv=None) -> int:
                       prompts=tuple(tuple(tok.encode_chat(t)) for t in texts),
                       tokens=args.tokens, device=args.device, tree=tree, codegen=args.codegen,
                       mode=None if args.mode == "default" else args.mode,
-                      warmup_tokens=args.warmup_tokens, progress=args.out)
+                      warmup_tokens=args.warmup_tokens, progress=args.out,
+                      prefill_compiled=args.prefill == "compiled")
     print(f"spec_bench: {len(texts)} held-out prompts, TP {args.tp} on {args.device}, tree "
-          f"{args.tree}, {args.codegen} mode {args.mode}", flush=True)
+          f"{args.tree}, {args.codegen} mode {args.mode}, prefill {args.prefill}", flush=True)
     if args.tp == 1:
         ranks = [spec_worker(0, 1, opt)]
     else:
@@ -70,7 +76,8 @@ def main(argv=None) -> int:
     Path(args.out).write_text(json.dumps(record, indent=1))
     print(json.dumps({k: record[k] for k in ("device", "tp", "tree", "mean_accepted",
                                              "tokens_per_s",
-                                             "speedup_vs_target_greedy", "same_tokens_as_greedy",
+                                             "speedup_vs_target_greedy", "prefill_s",
+                                             "speedup_past_prefill", "same_tokens_as_greedy",
                                              "prompts", "graphs_compiled", "wall_s")}))
     return 0
 

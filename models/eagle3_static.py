@@ -15,6 +15,9 @@ with M = depth + 1, the most tokens one step can emit. The draft catches up on a
 reads them), drafts the same tree as ``eagle3.draft_tree`` and the target verifies it; the
 accepted path is found from the tree mask (no retrieve_indices, whose size varies), its KV
 entries moved, all in the graph. The host reads ``state`` once per step (tokens, stop test).
+
+The prefill can be one graph too (``prefill_static``, ``spec_prefill_static``: the prompt
+padded to a multiple of 64, ``pad_prompt``): eagerly it launched ~1,500 kernels one by one.
 """
 
 from __future__ import annotations
@@ -171,6 +174,55 @@ def decode_step(target: nn.Module, state: torch.Tensor) -> torch.Tensor:
     return torch.cat([logits[0, -1].argmax().view(1), pos + 1])
 
 
+PREFILL_BUCKET = 64
+"""A compiled prefill takes the prompt padded to a multiple of this (one graph for prompts
+of 1-64 tokens, one more per further 64)."""
+
+
+def pad_prompt(prompt: torch.Tensor, bucket: int = PREFILL_BUCKET
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """prompt [P] -> (tokens [B], P as a 0-d long tensor): B is P rounded up to ``bucket``, the
+    pad is token 0 (what the pad rows compute is never read: see ``prefill_static``)."""
+    P = prompt.shape[0]
+    B = -(-P // bucket) * bucket
+    return (torch.cat([prompt, prompt.new_zeros(B - P)]),
+            torch.tensor(P, dtype=torch.long, device=prompt.device))
+
+
+def prefill_static(target: nn.Module, tokens: torch.Tensor, P: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``eagle3.prefill`` in a fixed shape (``pad_prompt``): tokens [B], the prompt its first P
+    -> (state [2]: the first new token and its position P, ``decode_step``'s state; hidden
+    [B, 3H], rows past P - 1 the pad's). The pad rows write cache slots P .. B - 1 that no
+    query sees before a step writes them anew (a step's queries see the slots below their own
+    position and the ones the step itself writes), so a decoding after it is the same."""
+    B, dev = tokens.shape[0], tokens.device
+    T = kv_caches(target)[0].shape[1]
+    pos = torch.arange(B, device=dev)
+    causal = torch.arange(T, device=dev)[None, :] <= pos[:, None]
+    logits, hidden = target(tokens[None], pos, pos, causal[None, None])
+    root = logits[0].index_select(0, (P - 1).view(1)).argmax(-1)  # [1]
+    return torch.cat([root, P.view(1)]), hidden[0]
+
+
+def spec_prefill_static(target: nn.Module, draft: Eagle3Draft, tokens: torch.Tensor,
+                        P: torch.Tensor, pairs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``speculative_generate_static``'s start in a fixed shape: the target's prefill, then the
+    draft's over the prompt's pairs (x_{j+1}, h_j) -> (state [pairs + 2], hidden [pairs, 3H]),
+    ``spec_step``'s first input. The draft's pad rows (and row P - 1, whose pair has no token
+    yet) write draft slots the first step writes again before it reads them."""
+    first, hidden = prefill_static(target, tokens, P)
+    B, dev = tokens.shape[0], tokens.device
+    pos = torch.arange(B, device=dev)
+    causal = torch.arange(draft.k_cache.shape[1], device=dev)[None, :] <= pos[:, None]
+    draft(torch.cat([tokens[1:], tokens[:1]])[None], draft.fc(hidden[None]), pos, pos,
+          causal[None, None])
+    state = torch.cat([first[1:], torch.ones_like(first[1:]), first[:1],
+                       first.new_zeros(pairs - 1)])
+    return state, torch.cat([hidden.index_select(0, (P - 1).view(1)),
+                             hidden.new_zeros(pairs - 1, hidden.shape[-1])])
+
+
 def to_tree(tree_tokens, parents, depth, mask, scores) -> Tree:
     """The ``eagle3.Tree`` of a static tree (for checks: it reads the parents on the host)."""
     return replace(Tree.from_parents(tree_tokens, [-1] + parents[1:].tolist()), scores=scores)
@@ -187,6 +239,14 @@ def _check_room(prompt_len: int, max_new_tokens: int, target_slots: int, need: i
                          f"({target_slots}) plus {draft_need} tree slots")
 
 
+def _padded(prompt: torch.Tensor, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens, P = pad_prompt(prompt)
+    if tokens.shape[0] > slots:
+        raise ValueError(f"the prompt padded to {tokens.shape[0]} tokens (a multiple of "
+                         f"{PREFILL_BUCKET}) exceeds the target KV cache ({slots} slots)")
+    return tokens, P
+
+
 def _sync_step() -> None:
     """A CUDA-graph replay's outputs live until the next replay: mark the step boundary (the
     caller clones what it keeps)."""
@@ -199,27 +259,38 @@ def speculative_generate_static(target: nn.Module, draft: Eagle3Draft, prompt: t
                                 step_fn: Callable = spec_step,
                                 stop_tokens: Collection[int] = (),
                                 give_up: Callable[[int, int], bool] | None = None,
-                                greedy_fn: Callable = decode_step) -> tuple[list[int], SpecStats]:
+                                greedy_fn: Callable = decode_step,
+                                prefill_fn: Callable | None = None
+                                ) -> tuple[list[int], SpecStats]:
     """Greedy EAGLE-3 with ``step_fn`` (``spec_step``, compiled or not): prompt [P] -> (new
     tokens, stats), the same tokens as ``eagle3.speculative_generate``. Both KV caches must be
     set up (once: a compiled step's CUDA graph keeps their addresses).
 
     ``give_up(steps, tokens)``, asked after each step, True: the rest is decoded by
     ``greedy_fn`` (``decode_step``, compiled or not) from the same cache, the newest token as
-    its root: the same tokens (``stats.greedy_from``: the step it fell back after)."""
+    its root: the same tokens (``stats.greedy_from``: the step it fell back after).
+
+    ``prefill_fn`` (``spec_prefill_static`` with ``pairs`` bound, compiled), else the prefill
+    runs eagerly in the prompt's own shape."""
     T, P, M = kv_caches(target)[0].shape[1], prompt.shape[0], spec.pairs
     _check_room(P, max_new_tokens, T, spec.total_tokens, draft.k_cache.shape[1],
                 spec.draft_slots())
-    logits, hidden = prefill(target, prompt)  # [P, V], [P, 3H]
-    root = logits[-1].argmax()
-    if P > 1:  # the draft sees the prompt's pairs (x_{j+1}, h_j) but the last, eagerly
-        pos = torch.arange(P - 1, device=prompt.device)
-        causal = torch.arange(draft.k_cache.shape[1], device=prompt.device)[None, :] <= pos[:, None]
-        draft(prompt[None, 1:], draft.fc(hidden[None, :-1]), pos, pos, causal[None, None])
-    state = torch.zeros(M + 2, dtype=torch.long, device=prompt.device)
-    state[0], state[1], state[2] = P, 1, root
-    pairs = hidden.new_zeros(M, hidden.shape[-1])
-    pairs[0] = hidden[-1]
+    if prefill_fn is not None:
+        _sync_step()
+        state, pairs = (t.clone() for t in prefill_fn(target, draft, *_padded(prompt, T)))
+        root = state[2]
+    else:
+        logits, hidden = prefill(target, prompt)  # [P, V], [P, 3H]
+        root = logits[-1].argmax()
+        if P > 1:  # the draft sees the prompt's pairs (x_{j+1}, h_j) but the last, eagerly
+            pos = torch.arange(P - 1, device=prompt.device)
+            causal = (torch.arange(draft.k_cache.shape[1], device=prompt.device)[None, :]
+                      <= pos[:, None])
+            draft(prompt[None, 1:], draft.fc(hidden[None, :-1]), pos, pos, causal[None, None])
+        state = torch.zeros(M + 2, dtype=torch.long, device=prompt.device)
+        state[0], state[1], state[2] = P, 1, root
+        pairs = hidden.new_zeros(M, hidden.shape[-1])
+        pairs[0] = hidden[-1]
     out, stats = [int(root)], SpecStats([])
     while len(out) < max_new_tokens and out[-1] not in stop_tokens:
         _sync_step()
@@ -247,14 +318,19 @@ def speculative_generate_static(target: nn.Module, draft: Eagle3Draft, prompt: t
 @torch.no_grad()
 def greedy_generate_static(target: nn.Module, prompt: torch.Tensor, max_new_tokens: int, *,
                            step_fn: Callable = decode_step,
-                           stop_tokens: Collection[int] = ()) -> list[int]:
+                           stop_tokens: Collection[int] = (),
+                           prefill_fn: Callable | None = None) -> list[int]:
     """Target-only greedy decoding with ``step_fn`` (``decode_step``, compiled or not), one
     host sync per token for the stop test: the baseline ``speculative_generate_static`` is
-    measured against."""
+    measured against. ``prefill_fn``: ``prefill_static`` (compiled), else an eager prefill."""
     T, P = kv_caches(target)[0].shape[1], prompt.shape[0]
     _check_room(P, max_new_tokens, T, 0, T, 0)
-    logits, _ = prefill(target, prompt)
-    state = torch.stack([logits[-1].argmax(), torch.tensor(P, device=prompt.device)])
+    if prefill_fn is not None:
+        _sync_step()
+        state = prefill_fn(target, *_padded(prompt, T))[0].clone()
+    else:
+        logits, _ = prefill(target, prompt)
+        state = torch.stack([logits[-1].argmax(), torch.tensor(P, device=prompt.device)])
     out = [int(state[0])]
     while len(out) < max_new_tokens and out[-1] not in stop_tokens:
         _sync_step()

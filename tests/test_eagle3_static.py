@@ -151,6 +151,46 @@ def test_compiled_steps_are_one_graph_each():
     torch._dynamo.reset()
 
 
+def test_compiled_prefill_is_one_graph_and_the_same_tokens():
+    """The prompt padded to 64 tokens, prefilled in one graph (the target's, then the draft's
+    pairs): the same tokens and accepted lengths as the eager prefill's (float32); the pad
+    rows' cache slots are written again before any query sees them. A second prompt of
+    another length replays the same graph."""
+    torch._dynamo.reset()
+    target, draft, seq = _spec_pair()
+    want, want_stats = es.speculative_generate_static(target, draft, PROMPT, 40, spec=SPEC)
+    graphs = []
+    be = fxcoalesce.backend(fxcoalesce.Config(codegen="eager", strict=True),
+                            on_graph=lambda before, after, report: graphs.append(report))
+
+    def spec_prefill(target, draft, tokens, P):
+        return es.spec_prefill_static(target, draft, tokens, P, SPEC.pairs)
+
+    def prefilled(**kw):  # the caches' prompt slots after the prefill alone (no step)
+        for c in e3.kv_caches(target) + e3.kv_caches(draft):
+            c.zero_()
+        es.speculative_generate_static(target, draft, PROMPT, 1, spec=SPEC, **kw)
+        P = len(PROMPT)  # the draft holds the pairs (x_{j+1}, h_j), j < P - 1
+        return ([c[:, :P].clone() for c in e3.kv_caches(target)]
+                + [c[:, :P - 1].clone() for c in e3.kv_caches(draft)])
+
+    for a, b in zip(prefilled(), prefilled(prefill_fn=spec_prefill), strict=True):
+        torch.testing.assert_close(a, b)
+    compiled = torch.compile(spec_prefill, backend=be, fullgraph=True, dynamic=False)
+    for prefill in (spec_prefill, compiled):
+        got, stats = es.speculative_generate_static(target, draft, PROMPT, 40, spec=SPEC,
+                                                    prefill_fn=prefill)
+        assert got == want and stats.accepted == want_stats.accepted
+    greedy_prefill = torch.compile(es.prefill_static, backend=be, fullgraph=True,
+                                   dynamic=False)
+    assert es.greedy_generate_static(target, PROMPT, 40, prefill_fn=greedy_prefill) == want
+    shorter = PROMPT[:-2]
+    assert (es.greedy_generate_static(target, shorter, 20, prefill_fn=greedy_prefill)
+            == es.greedy_generate_static(target, shorter, 20))
+    assert len(graphs) == 2  # one per prefill, both prompt lengths
+    torch._dynamo.reset()
+
+
 def test_room_checks():
     target, draft, _ = _spec_pair()
     with pytest.raises(ValueError, match="exceed the target KV cache"):
@@ -164,8 +204,9 @@ def test_room_checks():
 def test_compiled_steps_are_cuda_graph_ready(monkeypatch):
     """What would make Inductor skip CUDA graphs for the steps, checked on CPU (where the CPU
     device itself is the reason given): an op CUDA graphs cannot hold, or an input mutated
-    in place that is not a parameter or buffer (the KV caches must be module buffers). Both steps go through the fxcoalesce backend with mode="reduce-overhead"
-    and Inductor, as the GPU benchmark compiles them."""
+    in place that is not a parameter or buffer (the KV caches must be module buffers). Both
+    steps and both prefills go through the fxcoalesce backend with mode="reduce-overhead" and
+    Inductor, as the GPU benchmark compiles them."""
     import torch._inductor.compile_fx as compile_fx
     import torch._inductor.config as inductor_config
     import torch._inductor.cudagraph_utils as cudagraph_utils
@@ -201,14 +242,18 @@ def test_compiled_steps_are_cuda_graph_ready(monkeypatch):
     with inductor_config.patch({"triton.cudagraph_support_input_mutation": False,
                                 "graph_partition": False}):
         step = torch.compile(es.spec_step, backend=be, fullgraph=True)
+        spec_prefill = torch.compile(
+            lambda t, d, tokens, P: es.spec_prefill_static(t, d, tokens, P, spec.pairs),
+            backend=be, fullgraph=True, dynamic=False)
         got, _ = es.speculative_generate_static(target, draft, prompt, 12, spec=spec,
-                                                step_fn=step)
+                                                step_fn=step, prefill_fn=spec_prefill)
         decode = torch.compile(es.decode_step, backend=be, fullgraph=True)
-        want = es.greedy_generate_static(target, prompt, 12, step_fn=decode)
+        prefill = torch.compile(es.prefill_static, backend=be, fullgraph=True, dynamic=False)
+        want = es.greedy_generate_static(target, prompt, 12, step_fn=decode, prefill_fn=prefill)
     torch._dynamo.reset()
     assert got == want
-    assert mutations == [None, None]  # both graphs ran the check; every mutation is a buffer
-    assert incompatible == [None, None]
+    assert mutations == [None] * 4  # every graph ran the check; every mutation is a buffer
+    assert incompatible == [None] * 4
 
 
 def _tp2_inductor_worker(rank: int, world: int) -> dict:

@@ -121,7 +121,8 @@ def prepare_smollm2(*, prompt: str, tokens: int, device: str, codegen: str | Non
     opt = SpecOptions(gguf=str(gguf), draft=str(head), prompts=(tuple(ids),), tokens=tokens,
                       device=device, codegen=codegen or ("inductor" if cuda else "eager"),
                       mode="reduce-overhead" if cuda else None, warmup_tokens=warmup_tokens,
-                      greedy_compiled=greedy_compiled, quiet=quiet, tree=tree)
+                      greedy_compiled=greedy_compiled, quiet=quiet, tree=tree,
+                      prefill_compiled=cuda)
     if isinstance(tree, tuple):
         k, d, n = tree
         opt = replace(opt, top_k=k, depth=d, total_tokens=n)

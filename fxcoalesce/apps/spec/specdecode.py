@@ -8,13 +8,17 @@ compiles two steps through the fxcoalesce backend with the same settings:
     decode  = compile(eagle3_static.decode_step)   target-only greedy, one token per call
     spec    = compile(eagle3_static.spec_step)     draft tree + verify + accept + KV commit
 
+and, with ``SpecOptions.prefill_compiled`` (on GPUs), each decoding's prefill
+(``prefill_static``, ``spec_prefill_static``: the prompt padded to a multiple of 64).
+
 With ``SpecOptions.tree`` set, the tree is first sized from measurement (``treechoice``:
 every rank times the candidate steps, rank 0 decides and broadcasts); where greedy is chosen
 only the compiled greedy step runs, and a chosen tree hands over to greedy when it falls
 below greedy's pace (``GUARD_RATIO``). ``mode="reduce-overhead"`` makes each a CUDA graph on
 GPUs. A warm-up prompt compiles and records them; every prompt is then decoded both ways,
-timed end to end (prefill included), and the two token sequences are compared. ``greedy_compiled=False`` (``fxcoalesce demo`` on
-a CPU) runs the greedy step uncompiled: one compile fewer, greedy's tokens the plain model's.
+timed end to end (prefill included, and apart), and the two token sequences are compared.
+``greedy_compiled=False`` (``fxcoalesce demo`` on a CPU) runs the greedy step uncompiled: one
+compile fewer, greedy's tokens the plain model's.
 Rank 0 says on stderr what it loads, compiles and decodes (``apps.progress``).
 
 Before torch 2.14 the backend leaves Inductor's own comm-reordering passes off: there
@@ -76,18 +80,29 @@ class SpecOptions:
     else measured), "measure" (anew), "spec" (the fastest tree even where greedy is faster),
     "greedy", or a forced (top_k, depth, total_tokens). Where greedy is chosen, the greedy
     step is compiled through fxcoalesce and decodes alone: there is no speculative run."""
+    prefill_compiled: bool = False
+    """Prefill in a compiled graph too, the prompt padded to a multiple of 64
+    (``eagle3_static.prefill_static``; the speculative one fills the draft's cache in the same
+    graph): False prefills eagerly in the prompt's own shape. Both decodings use the same. On
+    an H100 the eager prefill took 24-50 ms (~1,500 kernels launched one by one), 70-125 ms at
+    a prompt length the process had not seen (the libraries' set-up per shape): a fifth of a
+    256-token speculative decoding; compiled, 3.0-3.8 ms (benchmarks/NOTES.md, session 12)."""
 
 
-GUARD_EVERY, GUARD_RATIO = 4, 0.97
-"""With a tree chosen by measurement (``tree`` auto or measure), every 4 steps the
-speculative decoding compares its tokens/s so far with the greedy baseline's on the same
-prompt; below 0.97x, greedy decoding takes over from the same cache (the same tokens): a
-machine whose load changed since the tree was timed does not keep a losing tree. Both rates
-leave the prefill out (each clock starts after the first step): charged to the first 8
-steps' ~28 tokens instead of greedy's 256, one prefill made every tree lose on an H100.
-Every 4, not 8: on the CPU demo a prompt accepting 1.56 where 2.24 was predicted ran 16
-steps at ~0.9x before greedy took over, 0.96x overall (2026-12-06); a check is one
-broadcast of a flag."""
+GUARD_FIRST, GUARD_EVERY, GUARD_RATIO = 8, 4, 0.97
+"""With a tree chosen by measurement (``tree`` auto or measure), at step 8 and every 4 steps
+after it the speculative decoding compares its tokens/s so far with the greedy baseline's on
+the same prompt; below 0.97x, greedy decoding takes over from the same cache (the same
+tokens): a machine whose load changed since the tree was timed does not keep a losing tree.
+Both rates leave the prefill out (each clock starts after the first step): charged to the
+first 8 steps' ~28 tokens instead of greedy's 256, one prefill made every tree lose on an
+H100. Every 4, not 8: on the CPU demo a prompt accepting 1.56 where 2.24 was predicted ran 16
+steps at ~0.9x before greedy took over, 0.96x overall (2026-12-06); a check is one broadcast
+of a flag. Not before step 8: an answer's first steps accept less (held-out prompts, the
+(8, 6, 64) tree: 2.1 and 2.4 tokens at steps 1 and 2, 3.1 from step 3 on), and 3 steps are
+a small sample (a step accepts 1-7 tokens, sd 1.7): checked from step 4, 3 of 32 prompts on
+an H100 gave up at step 4 (each at ~1.0x of greedy, where the others ran ~2x; the float32
+replay on a CPU gives up on the same three, and from step 8 on none; session 12)."""
 
 
 def cache_len(opt: SpecOptions) -> int:
@@ -118,19 +133,21 @@ def _sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
-def step_rate_guard(rate: float, group, dev: torch.device):
-    """``speculative_generate_static``'s ``give_up``: every ``GUARD_EVERY`` steps, is the
-    speculative decoding's pace since its first step, the tokens a step over the *median*
-    step's seconds, below ``GUARD_RATIO`` x ``rate`` (greedy's tokens/s over its steps on the
-    same prompt, measured just before)? The median, not the mean: one stalled step early on
-    (20+ ms on an H100, 2026-12-06) made a 2x tree look slower than greedy after 4 steps and
-    gave it up; a slowdown that lasts moves the median too. Rank 0's answer, broadcast over
-    ``group`` (None: one rank)."""
+def step_rate_guard(rate: float, group, dev: torch.device, *, first: int = GUARD_FIRST,
+                    clock=time.perf_counter):
+    """``speculative_generate_static``'s ``give_up``: at step ``first`` and every
+    ``GUARD_EVERY`` after it, is the speculative decoding's pace since its first step, the
+    tokens a step over the *median* step's seconds, below ``GUARD_RATIO`` x ``rate``
+    (greedy's tokens/s over its steps on the same prompt, measured just before)? The median,
+    not the mean: one stalled step early on (20+ ms on an H100, 2026-12-06) made a 2x tree
+    look slower than greedy after 4 steps and gave it up; a slowdown that lasts moves the
+    median too. Rank 0's answer, broadcast over ``group`` (None: one rank). ``clock``: seconds
+    (a replay passes its own: benchmarks/guard_replay.py)."""
     seen: list[tuple[float, int]] = []  # (time, tokens) after each step from the first
 
     def give_up(steps: int, tokens: int) -> bool:
-        seen.append((time.perf_counter(), tokens))
-        if steps % GUARD_EVERY or len(seen) < 2:
+        seen.append((clock(), tokens))
+        if steps < first or steps % GUARD_EVERY or len(seen) < 2:
             return False
         took = sorted(b[0] - a[0] for a, b in zip(seen, seen[1:]))
         per_step = (tokens - seen[0][1]) / (len(seen) - 1)
@@ -191,10 +208,11 @@ def spec_worker(rank: int, world: int, opt: SpecOptions) -> dict:
     reports: dict[str, list] = {"decode": [], "spec": []}  # one per compiled graph
     settings = dict(mode=opt.mode) if opt.mode else {}
 
-    def compiled(fn, label: str):
+    def compiled(fn, label: str, **kw):
         be = backend(Config(codegen=opt.codegen), **settings,
-                     on_graph=lambda before, after, report: reports[label].append(report))
-        return torch.compile(fn, backend=be, fullgraph=True)
+                     on_graph=lambda before, after, report: reports.setdefault(
+                         label, []).append(report))
+        return torch.compile(fn, backend=be, fullgraph=True, **kw)
 
     how = f"fxcoalesce, codegen {opt.codegen}{', CUDA graphs' if opt.mode else ''}"
     # the first call compiles (Dynamo, AOTAutograd, the passes, the ranks' agreement)
@@ -206,6 +224,15 @@ def spec_worker(rank: int, world: int, opt: SpecOptions) -> dict:
     step = None if greedy_chosen else first_call_announced(
         compiled(es.spec_step, "spec"), say,
         f"compiling the speculative step: draft tree, verify, accept ({how}) {on}")
+    greedy_prefill = spec_prefill = None
+    if opt.prefill_compiled:  # one graph per 64 tokens of prompt (dynamic=False: no symbols)
+        greedy_prefill = compiled(es.prefill_static, "greedy_prefill", dynamic=False)
+        if not greedy_chosen:
+            pairs = spec.pairs
+
+            def spec_prefill_fn(target, draft, tokens, P):
+                return es.spec_prefill_static(target, draft, tokens, P, pairs)
+            spec_prefill = compiled(spec_prefill_fn, "spec_prefill", dynamic=False)
     stop = (tok.eos_id,)
 
     def counted(fn, phase: Phase | None, greedy: bool):
@@ -235,12 +262,13 @@ def spec_worker(rank: int, world: int, opt: SpecOptions) -> dict:
             dist.barrier()
         _sync(dev)
         t0 = time.perf_counter()
-        greedy, stepping = [], []  # stepping: when greedy's first step began (prefill synced)
+        greedy, stepping, spec_stepping = [], [], []  # when the first step began (each
+        # decoding's prefill synced: it read its first token)
 
-        def stamped(fn):
+        def stamped(fn, first: list):
             def call(*args):
-                if not stepping:
-                    stepping.append(time.perf_counter())
+                if not first:
+                    first.append(time.perf_counter())
                 return fn(*args)
             return call
 
@@ -249,8 +277,9 @@ def spec_worker(rank: int, world: int, opt: SpecOptions) -> dict:
             phase.advance()  # the prefill's token
             if greedy_too:
                 greedy = es.greedy_generate_static(
-                    target, prompt, tokens, step_fn=stamped(counted(decode, phase, True)),
-                    stop_tokens=stop)
+                    target, prompt, tokens,
+                    step_fn=stamped(counted(decode, phase, True), stepping),
+                    stop_tokens=stop, prefill_fn=greedy_prefill)
             phase.count = len(greedy)
         _sync(dev)
         t1 = time.perf_counter()
@@ -258,20 +287,26 @@ def spec_worker(rank: int, world: int, opt: SpecOptions) -> dict:
             return {"prompt_tokens": len(ids), "greedy_tokens": len(greedy),
                     "spec_tokens": len(greedy), "greedy_s": t1 - t0, "spec_s": t1 - t0,
                     "accepted": [1] * (len(greedy) - 1), "same_tokens": True,
-                    "tokens": greedy, "greedy": greedy}
+                    "tokens": greedy, "greedy": greedy,
+                    **dict.fromkeys(("greedy_prefill_s", "spec_prefill_s"),
+                                    (stepping or [t1])[0] - t0)}
         guard = (step_rate_guard((len(greedy) - 1) / max(t1 - stepping[0], 1e-9), group, dev)
                  if guarded and timed and stepping else None)
         with bars(f"decoding speculatively {on}") as phase:
             spec_out, stats = es.speculative_generate_static(
-                target, draft, prompt, tokens, spec=spec, step_fn=counted(step, phase, False),
-                stop_tokens=stop, give_up=guard, greedy_fn=counted(decode, phase, True))
+                target, draft, prompt, tokens, spec=spec,
+                step_fn=stamped(counted(step, phase, False), spec_stepping),
+                stop_tokens=stop, give_up=guard, greedy_fn=counted(decode, phase, True),
+                prefill_fn=spec_prefill)
             phase.count = len(spec_out)
         _sync(dev)
         t2 = time.perf_counter()
         return {"prompt_tokens": len(ids), "greedy_tokens": len(greedy),
                 "spec_tokens": len(spec_out), "greedy_s": t1 - t0, "spec_s": t2 - t1,
                 "accepted": stats.accepted, "same_tokens": greedy == spec_out,
-                "tokens": spec_out, "greedy": greedy, "greedy_from": stats.greedy_from}
+                "tokens": spec_out, "greedy": greedy, "greedy_from": stats.greedy_from,
+                "greedy_prefill_s": (stepping or [t1])[0] - t0,
+                "spec_prefill_s": (spec_stepping or [t2])[0] - t1}
 
     t0 = time.perf_counter()
     with torch.no_grad():
@@ -330,12 +365,21 @@ def summarize(rank0: dict, ranks: list[dict]) -> dict:
     accepted = [a for r in res for a in r["accepted"]]
     greedy_tps = sum(r["greedy_tokens"] for r in res) / sum(r["greedy_s"] for r in res)
     spec_tps = sum(r["spec_tokens"] for r in res) / sum(r["spec_s"] for r in res)
+    # each decoding's prefill (until its first step: the first token read) and the rest
+    prefill = {k: sum(r.get(f"{k}_prefill_s", 0.0) for r in res) for k in ("greedy", "spec")}
+    past = (sum(r["spec_tokens"] - 1 for r in res) / max(sum(r["spec_s"] for r in res)
+                                                         - prefill["spec"], 1e-9)) / (
+        sum(r["greedy_tokens"] - 1 for r in res) / max(sum(r["greedy_s"] for r in res)
+                                                       - prefill["greedy"], 1e-9))
     return {
         "model": smollm2.NAME, "device": rank0["device_name"], "tp": rank0["world"],
         "backend": rank0["backend"], "torch": rank0["torch"],
         "mean_accepted": round(sum(accepted) / max(len(accepted), 1), 3),
         "tokens_per_s": {"target_greedy": round(greedy_tps, 1), "speculative": round(spec_tps, 1)},
         "speedup_vs_target_greedy": round(spec_tps / greedy_tps, 3),
+        "prefill_s": {"target_greedy": round(prefill["greedy"], 4),
+                      "speculative": round(prefill["spec"], 4)},
+        "speedup_past_prefill": round(past, 3),
         "tree": rank0["tree"], "tree_choice": rank0.get("tree_choice"), "prompts": len(res),
         "new_tokens": {"target_greedy": sum(r["greedy_tokens"] for r in res),
                        "speculative": sum(r["spec_tokens"] for r in res)},
@@ -350,5 +394,7 @@ def summarize(rank0: dict, ranks: list[dict]) -> dict:
         "per_prompt": [{"prompt_tokens": r["prompt_tokens"], "greedy_tokens": r["greedy_tokens"],
                         "spec_tokens": r["spec_tokens"], "greedy_s": round(r["greedy_s"], 4),
                         "spec_s": round(r["spec_s"], 4), "steps": len(r["accepted"]),
+                        "greedy_prefill_s": round(r.get("greedy_prefill_s", 0.0), 4),
+                        "spec_prefill_s": round(r.get("spec_prefill_s", 0.0), 4),
                         "same_tokens": r["same_tokens"]} for r in res],
     }

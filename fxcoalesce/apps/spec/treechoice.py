@@ -15,8 +15,8 @@ tree, or greedy where no tree beats greedy by ``MARGIN``. What it is fed:
   Uncompiled on a CPU (the demo's CPU path compiles with codegen "eager", which runs the
   same ATen ops); on a GPU, the replay of a CUDA graph that captured the step (what
   ``mode="reduce-overhead"`` replays), eager where capture fails. Then, with a tree chosen,
-  its compiled step is timed again (``confirm``), the decoding checks itself every 4 steps
-  against the greedy baseline and lets greedy take over below 0.97x
+  its compiled step is timed again (``confirm``), the decoding checks itself from step 8,
+  every 4 steps, against the greedy baseline and lets greedy take over below 0.97x
   (``specdecode.GUARD_RATIO``), and what it realized is kept for the next run (``learn``).
 - **accepted lengths** (``simulate``): the decoder's own walk along a text the target wrote
   greedily, drafting each step's tree with the head and accepting what matches the text,
