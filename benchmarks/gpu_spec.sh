@@ -141,7 +141,8 @@ for tp in ("tp1", "tp2"):
     x = [g["speedup_vs_target_greedy"] for g in got if g.get("speedup_vs_target_greedy")]
     if len(x) > 1:
         print(f"{tp}: speedups {' '.join(f'{v:.2f}x' for v in x)}, median "
-              f"{statistics.median(x):.2f}x over {len(x)} runs; accepted "
+              f"{statistics.median(x):.2f}x over {len(x)} runs; past the prefill "
+              f"{' '.join(str(g.get('speedup_past_prefill')) for g in got)}; accepted "
               f"{' '.join(str(g.get('mean_accepted')) for g in got)}")
 PY
 }
