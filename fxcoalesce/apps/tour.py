@@ -50,8 +50,10 @@ INSPECT_EXAMPLE = (f"fxcoalesce inspect --model {INSPECT_MODEL} --layers {INSPEC
                    f"--tp {INSPECT_TP}")
 """The command whose result the demo's last line shows, traced in the demo's own process
 as the command traces it (tests/test_tour.py checks the line against the command's output)."""
-RECORDED_GPU = "benchmarks/results/gpu_h200x2_2026-11-30/spec_tp2.json"
-"""SmolLM2 with the same head and tree on two H200s: what a GPU makes of the same step."""
+RECORDED_GPU = "benchmarks/results/gpu_h100x1_torch2.11_2026-12-06_session12/compiled.1/spec_tp1.json"
+"""SmolLM2 with the same head on one H100 (the median of three runs): what a GPU makes of the
+same decoding. Not the two-H200 TP-2 record of 2026-11-30: Inductor before torch 2.15 compiled
+that step wrong (docs/measurements.md)."""
 DISPLAY = "SmolLM2-135M-Instruct"
 
 
@@ -144,7 +146,7 @@ def recorded_gpu_line() -> str | None:
     if not path.is_file():
         return None
     d = json.loads(path.read_text())
-    return row(f"recorded on {d['tp']} x {str(d['device']).removeprefix('NVIDIA ')}",
+    return row(f"recorded on {d['tp']} x {str(d['device']).removeprefix('NVIDIA ').split()[0]}",
                f"{d['speedup_vs_target_greedy']:.2f}x over greedy, accepted length "
                f"{d['mean_accepted']:.2f}, TP {d['tp']}, CUDA graphs, {d['prompts']} prompts "
                f"[{RECORDED_GPU}]")
