@@ -89,7 +89,7 @@ def main() -> None:
             if dev.type == "cuda":
                 torch.cuda.synchronize()
         print(name)
-        print(prof.key_averages().table(sort_by=sort, row_limit=15))
+        print(prof.key_averages().table(sort_by=sort, row_limit=15, max_name_column_width=160))
 
 
 if __name__ == "__main__":

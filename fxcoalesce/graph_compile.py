@@ -408,6 +408,7 @@ class GraphCompile:
         keyed = compile_cache.KeyedPass(pre, key)
 
         from fxcoalesce.ranks.tag import CHECKED
+        from fxcoalesce.torch_releases import keep_mutation_renames
 
         def inner_compile(graph_module, inputs, **kwargs):
             # the FX graph cache keys on the rewritten graph and on ``keyed``
@@ -418,7 +419,9 @@ class GraphCompile:
                 # graph's tags, Inductor's peak-memory reordering computed wrong logits (off
                 # by 2.31); without it, right. benchmarks/NOTES.md has the case.
                 patch["reorder_for_peak_memory"] = False
-            with inductor_config.patch(**patch):
+            # torch < 2.15: the CPU backend's fusion could drop a read's edge to an in-place
+            # collective (or other mutation) it follows (torch_releases.keep_mutation_renames)
+            with inductor_config.patch(**patch), keep_mutation_renames():
                 return compile_fx_inner(new, inputs, **kwargs)
 
         outer = keyed if aot_cache else compile_cache.KeyedPass(pre, None)

@@ -12,14 +12,69 @@ keep KV-cache writes in order; before, they ran a write after the read that need
 COMM_REORDER_PASSES = ("sink_waits", "raise_comms", "reorder_compute_for_overlap")
 
 LOCALITY_REORDER_RIGHT_FROM = (2, 15)
-"""The first torch where Inductor's ``reorder_for_locality`` keeps graphs with collectives
-right: on torch 2.11 and 2.13 (CPU, 2 gloo ranks) the compiled speculative step of a 12- or
-30-layer llama returned wrong captured hidden states (off by 2-6; its tokens, and the KV
-caches, right), with plain ``backend="inductor"`` as with fxcoalesce; with the pass off,
-right; torch 2.15 right with it on. Not checked on 2.14. Not worked around yet: turning
-the pass off for graphs with collectives hid fewer kernels under neox-tiny's all_reduces
-than plain Inductor (tests/test_codegen.py; benchmarks/NOTES.md, session 12). The canary:
+"""The first torch where plain Inductor compiles the TP-2 speculative step right: on torch
+2.11 and 2.13 (CPU, 2 gloo ranks) the compiled step of an 8-, 12- or 30-layer llama returned
+wrong captured hidden states (off by 2-6), with plain ``backend="inductor"``; with
+``reorder_for_locality`` off, right, but that pass only changes which fusions are tried. The
+cause is :data:`MUTATION_RENAMES_KEPT_FROM`'s bug, which fxcoalesce's backend works around
+(:func:`keep_mutation_renames`). The canary (plain Inductor, strict xfail before 2.15):
 ``tests/test_eagle3_static.py::test_compiled_step_tp2_hidden_matches_eager`` (slow)."""
+
+MUTATION_RENAMES_KEPT_FROM = (2, 15)
+"""The first torch whose Inductor scheduler keeps a node's mutation renames when the CPU
+backend recomputes the node's loop body to fuse it (pytorch/pytorch#185873,
+``SchedulerNode.recompute_size_and_body``). Before, a node that read an in-place
+``all_reduce_``'s result (the wait's ``MutationOutput``, say ``buf185`` for ``buf181``) and
+was re-indexed to fuse with a node of another loop shape (``CppScheduling.fuse``:
+``_align_compatible_range_nodes``; e.g. ``[288]`` with the ``[4, 72]`` copy into a ``cat``
+slot) read ``buf181`` again: its edge to the all_reduce and the wait was lost, and the fused
+kernel could run before them, reading the rank's partial sum (the TP-2 speculative step's
+hidden states off by 2-6; the same loss for any in-place mutation, e.g. the KV-cache
+``index_copy_``)."""
+
+
+def keep_mutation_renames():
+    """A context manager: inside it, Inductor's ``SchedulerNode.recompute_size_and_body``
+    keeps the node's mutation renames and fake dependencies (pytorch/pytorch#185873, backported)
+    where this torch loses them (before :data:`MUTATION_RENAMES_KEPT_FROM`); elsewhere it
+    changes nothing."""
+    import contextlib
+
+    if torch_version() >= MUTATION_RENAMES_KEPT_FROM:
+        return contextlib.nullcontext()
+    return _kept_mutation_renames()
+
+
+def _kept_mutation_renames():
+    import contextlib
+
+    from torch._inductor import scheduler
+    from torch._inductor.dependencies import StarDep, WeakDep
+    from torch.utils._ordered_set import OrderedSet
+
+    node_class = scheduler.SchedulerNode
+    original = node_class.__dict__["recompute_size_and_body"]
+
+    def recompute_size_and_body(self, *args, **kwargs):
+        fake = OrderedSet(dep for dep in self.read_writes.reads
+                          if isinstance(dep, (WeakDep, StarDep)))
+        original(self, *args, **kwargs)
+        renames = getattr(self, "mutation_renames", None) or {}
+        if fake or renames:  # as torch 2.15 does
+            read_writes = self.read_writes.with_read(fake) if fake else self.read_writes
+            self.set_read_writes(read_writes.rename(renames))
+
+    recompute_size_and_body.__wrapped__ = original
+
+    @contextlib.contextmanager
+    def patched():
+        node_class.recompute_size_and_body = recompute_size_and_body
+        try:
+            yield
+        finally:
+            node_class.recompute_size_and_body = original
+
+    return patched()
 
 
 def torch_version() -> tuple[int, int]:

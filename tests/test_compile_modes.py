@@ -112,3 +112,20 @@ print("after", report.all_reduce["after"])
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "after 2" in done.stdout
+
+
+def test_keep_mutation_renames_patches_inductor_only_inside_and_only_before_2_15():
+    """fxcoalesce's backport of pytorch#185873 (torch_releases.keep_mutation_renames) wraps
+    ``SchedulerNode.recompute_size_and_body`` while a graph compiles, on torch < 2.15 only,
+    and puts Inductor's own back after (the TP-2 speculative step's canary, slow:
+    tests/test_eagle3_static.py::test_compiled_step_tp2_hidden_matches_eager)."""
+    from torch._inductor.scheduler import SchedulerNode
+
+    from fxcoalesce.torch_releases import (MUTATION_RENAMES_KEPT_FROM, keep_mutation_renames,
+                                           torch_version)
+
+    before = SchedulerNode.recompute_size_and_body
+    with keep_mutation_renames():
+        inside = SchedulerNode.recompute_size_and_body
+    assert SchedulerNode.recompute_size_and_body is before
+    assert (inside is not before) == (torch_version() < MUTATION_RENAMES_KEPT_FROM)
