@@ -407,21 +407,16 @@ class GraphCompile:
         pre = self.user_pre_pass
         keyed = compile_cache.KeyedPass(pre, key)
 
-        from fxcoalesce.ranks.tag import CHECKED
         from fxcoalesce.torch_releases import keep_mutation_renames
 
         def inner_compile(graph_module, inputs, **kwargs):
             # the FX graph cache keys on the rewritten graph and on ``keyed``
             new = rewrite(graph_module)
-            patch = {"post_grad_custom_pre_pass": keyed}
-            if any(n.meta.get(CHECKED) is not None for n in new.graph.nodes):
-                # measured (torch 2.13, kimi-k2-tiny verify, 2 gloo ranks): with a rewritten
-                # graph's tags, Inductor's peak-memory reordering computed wrong logits (off
-                # by 2.31); without it, right. benchmarks/NOTES.md has the case.
-                patch["reorder_for_peak_memory"] = False
-            # torch < 2.15: the CPU backend's fusion could drop a read's edge to an in-place
-            # collective (or other mutation) it follows (torch_releases.keep_mutation_renames)
-            with inductor_config.patch(**patch), keep_mutation_renames():
+            # torch < 2.15: Inductor's fusion could drop a read's edge to the in-place
+            # collective (or other mutation) it follows, and its peak-memory reordering then
+            # ran the read first (torch_releases.keep_mutation_renames; kimi-k2-tiny's verify
+            # with tags, logits off by 2.31, and the TP-2 speculative step were this bug)
+            with inductor_config.patch(post_grad_custom_pre_pass=keyed), keep_mutation_renames():
                 return compile_fx_inner(new, inputs, **kwargs)
 
         outer = keyed if aot_cache else compile_cache.KeyedPass(pre, None)
