@@ -214,7 +214,8 @@ def spec_worker(rank: int, world: int, opt: SpecOptions) -> dict:
                          label, []).append(report))
         return torch.compile(fn, backend=be, fullgraph=True, **kw)
 
-    how = f"fxcoalesce, codegen {opt.codegen}{', CUDA graphs' if opt.mode else ''}"
+    graphs = opt.mode == "reduce-overhead" and dev.type == "cuda"  # no CUDA graphs on a CPU
+    how = f"fxcoalesce, codegen {opt.codegen}{', CUDA graphs' if graphs else ''}"
     # the first call compiles (Dynamo, AOTAutograd, the passes, the ranks' agreement)
     # greedy chosen: the greedy step is what decodes, compiled through fxcoalesce
     greedy_compiled = opt.greedy_compiled or greedy_chosen
