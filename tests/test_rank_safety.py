@@ -318,6 +318,42 @@ def test_a_skip_at_a_recompile_on_one_rank_stops_every_rank_at_once(fn, hook):
     assert stopped_at_once(res[1][0][2]), res
 
 
+def _own_stop(rank, world):
+    """Rank 0 says it stops (as ``runtime`` does before it raises); each rank then runs the
+    heartbeat's look at the store on a thread and waits 1.5 s in Python code: what reached
+    its main thread."""
+    import threading
+
+    from fxcoalesce.ranks import exchange
+    from fxcoalesce.ranks.check import CollectiveMismatchError
+
+    env = exchange.process_env()
+    if rank == 0:
+        env.exchange.stop("rank 0 stops on purpose")
+    dist.barrier()
+    store = dist.distributed_c10d._get_default_store()
+    got = []
+    try:
+        look = threading.Thread(target=exchange._heard_a_stop, args=(store,))
+        look.start()
+        look.join()
+        for _ in range(30):
+            time.sleep(0.05)
+    except CollectiveMismatchError as e:
+        got.append(str(e))
+    return got
+
+
+def test_a_rank_that_stops_is_not_sent_its_own_reason():
+    """Regression (seen once under load, test_a_skip_at_a_recompile_on_one_rank_..._at_once
+    [looped_partly-call]): a rank writes why it stops to the store, then raises; its own
+    heartbeat, reading the store between the two, sent that reason to the main thread, where
+    it landed as a second error after the first was handled. The peer still hears it."""
+    got = spawn(_own_stop, 2, (), backend="gloo", timeout=120, group_timeout_s=GROUP_TIMEOUT_S)
+    assert got[0] == [], got
+    assert len(got[1]) == 1 and "rank 0 stops on purpose" in got[1][0], got
+
+
 @pytest.mark.parametrize("fn", [pytest.param("looped", marks=pytest.mark.slow),
                                 "looped_partly"])
 def test_a_skip_at_a_recompile_on_every_rank_runs_right(fn):

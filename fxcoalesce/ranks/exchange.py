@@ -67,13 +67,15 @@ class Exchange:
         """Say that this rank stops on purpose, and why (``runtime``; any
         ``CollectiveMismatchError``, :func:`say_stopped`); ``stopped/any`` tells every
         peer's heartbeat to look (:func:`_heard_a_stop`)."""
+        _SAID.append(why)  # first: this rank's heartbeat then sends it no error of its own
         self.store.set(self._key("stopped", self.rank), why)
         self.store.set(self._key("stopped", "any"), str(self.rank))
-        _SAID.append(why)
 
-    def stopped(self) -> str | None:
-        """Why a rank of this store stopped on purpose, if one did (the first found)."""
+    def stopped(self, peers_only: bool = False) -> str | None:
+        """Why a rank of this store stopped on purpose, if one did (the first found); with
+        ``peers_only``, a rank other than this one."""
         ranks = range(dist.get_world_size() if dist.is_initialized() else 0)
+        ranks = [r for r in ranks if not (peers_only and r == self.rank)]
         return next(filter(None, map(self.stopped_rank, ranks)), None)
 
     def positions(self, rank: int) -> dict:
@@ -319,12 +321,16 @@ def _heard_a_stop(store) -> None:
 
     from .check import RAISED
 
-    if _INTERRUPTED or RAISED[0] or _EXITING[0] or not store.check(
+    if _INTERRUPTED or RAISED[0] or _SAID or _EXITING[0] or not store.check(
             [f"{_namespace()}/stopped/any"]):
         return
-    why = Exchange(store, dist.get_rank(), _namespace()).stopped()  # says "heard"
+    # a peer's reason, never this rank's own: a rank that stops writes its reason, then
+    # raises; read between the two, its own would land as a second error after the first
+    # was handled (seen: test_rank_safety's looped_partly-call case under load)
+    why = Exchange(store, dist.get_rank(), _namespace()).stopped(peers_only=True)
     main = threading.main_thread()
-    if not why or not main.is_alive() or threading.current_thread() is main:
+    if not why or RAISED[0] or _SAID or not main.is_alive() or (
+            threading.current_thread() is main):
         return
     _INTERRUPTED.append(why)
     _send(main.ident, f"fxcoalesce: {why} (read from the store: this rank was waiting in a "
