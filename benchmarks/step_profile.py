@@ -6,7 +6,7 @@ times the candidates, CUDA events), then torch.profiler's top ops for greedy and
 (NOTES.md, sessions 9-10).
 
     python benchmarks/step_profile.py [--threads 1] [--tree 1,1,2] [--device cuda] [--head DIR]
-                                      [--compile]
+                                      [--compile] [--random-weights]
 
 ``--compile``: each of the four through ``torch.compile`` (Inductor, fullgraph; on CUDA the
 compiled call captured in a CUDA graph), as the decoder runs its steps, four compiles.
@@ -41,17 +41,25 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--head", help="head directory (default: the committed one)")
     ap.add_argument("--compile", action="store_true", help="time and profile compiled steps")
+    ap.add_argument("--random-weights", action="store_true",
+                    help="SmolLM2-135M's shape with seeded weights and a 36-token prompt (the chat prompt's length), no "
+                         "GGUF (kernel times only: a step's work does not depend on weights)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dev = torch.device(args.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    target, tok = smollm2.load_target(device=dev, dtype=dtype)
+    if args.random_weights:
+        from fxcoalesce.models import llama
+
+        target, tok = llama.build(smollm2.NAME, dtype=dtype, device=dev).eval(), None
+    else:
+        target, tok = smollm2.load_target(device=dev, dtype=dtype)
     draft, _ = load_head(head_path(args.head), target_name=smollm2.NAME,
                          target_args=target.args,
                          embed_weight=target.embed.weight.detach().clone(), device=dev,
                          dtype=dtype)
     room, draft_room = tc.room_for_candidates()
-    ids = tok.encode_chat("Why is the sky blue?")
+    ids = tok.encode_chat("Why is the sky blue?") if tok else list(range(1, 37))
     T = -(-(len(ids) + 64 + room) // 64) * 64  # as the demo sizes its cache
     target.setup_cache(1, T)
     draft.setup_cache(T + draft_room)

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .rope import rope_angles, rope_half
+from .rope import rope_half, rope_table
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -104,6 +104,8 @@ class Eagle3Draft(nn.Module):
         self.register_buffer("d2t", d2t)
         self.register_buffer("k_cache", None, persistent=False)
         self.register_buffer("v_cache", None, persistent=False)
+        self.register_buffer("rope_cos", None, persistent=False)  # [T, d/2]: setup_cache
+        self.register_buffer("rope_sin", None, persistent=False)
 
     def to_target(self, ids: torch.Tensor) -> torch.Tensor:
         """Draft vocabulary ids -> target vocabulary ids."""
@@ -115,6 +117,9 @@ class Eagle3Draft(nn.Module):
         dtype, device = dtype or self.fc.weight.dtype, device or self.fc.weight.device
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.rope_cos, self.rope_sin = rope_table(max_seq_len, shape[-1], self.args.rope_theta,
+                                                  torch.promote_types(dtype, torch.float32),
+                                                  device)
 
     def forward(self, tokens, hidden, input_pos, cache_pos, mask):
         """tokens [1, S] target ids; hidden [1, S, H] (``fc`` of the target's 3H states, or the
@@ -122,8 +127,8 @@ class Eagle3Draft(nn.Module):
         B, S, H = hidden.shape
         x = torch.cat([self.embed_norm(self.embed(tokens)), self.hidden_norm(hidden)], -1)  # 2H
         q, k, v = (w(x).view(B, S, self.args.n_heads, -1) for w in (self.wq, self.wk, self.wv))
-        cos, sin = rope_angles(input_pos, q.shape[-1], self.args.rope_theta,
-                               torch.promote_types(q.dtype, torch.float32))
+        rot_dtype = torch.promote_types(q.dtype, torch.float32)
+        cos, sin = (t[input_pos].to(rot_dtype) for t in (self.rope_cos, self.rope_sin))
         q, k = (rope_half(t, cos[:, None], sin[:, None]) for t in (q, k))
         self.k_cache.index_copy_(1, cache_pos, k)
         self.v_cache.index_copy_(1, cache_pos, v)

@@ -3,7 +3,7 @@ of real small checkpoints (SmolLM2-135M, loaded from its GGUF by ``fxcoalesce.ap
 
 Same interface as ``models.deepseek``'s target, so EAGLE-3 (``models.eagle3``) drafts for it:
 
-    setup_cache(B, T)                                         k_cache / v_cache [B, T, kv, hd]
+    setup_cache(B, T)                     k_cache / v_cache [B, T, kv, hd], RoPE table [T, hd/2]
     forward(tokens [B, S], input_pos [S], cache_pos [S], mask [B|1, 1, S, T])
         -> logits [B, S, V], hidden [B, S, 3H] (inputs of layers ``args.capture_layers``)
 
@@ -26,7 +26,7 @@ from torch import nn
 
 from .capture import capture_layers, check_capture_layers
 from .deepseek import init_weights_
-from .rope import rope_angles, rope_interleaved
+from .rope import rope_interleaved, rope_table
 from .tp import (Group, VocabParallelEmbedding, all_gather_last_dim, all_reduce,
                  check_divisible, shard_linear_, world_of)
 
@@ -170,15 +170,21 @@ class Transformer(nn.Module):
         self.embed = VocabParallelEmbedding(args.vocab, args.dim)
         self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.register_buffer("rope_cos", None, persistent=False)  # [T, hd/2]: setup_cache
+        self.register_buffer("rope_sin", None, persistent=False)
         self.group: Group = None
 
     def setup_cache(self, max_batch_size: int = 1, max_seq_len: int | None = None,
                     dtype: torch.dtype | None = None,
                     device: torch.device | str | None = None) -> None:
-        """Allocate each layer's k_cache / v_cache [B, T, local kv heads, hd] (zeros). Call it
-        after ``apply_tp`` (which changes the local head count)."""
+        """Allocate each layer's k_cache / v_cache [B, T, local kv heads, hd] (zeros), and the
+        RoPE table of positions 0..T-1 (``rope_cos`` / ``rope_sin``). Call it after
+        ``apply_tp`` (which changes the local head count)."""
         T = max_seq_len or self.args.max_seq_len
         dtype, device = dtype or self.norm.weight.dtype, device or self.norm.weight.device
+        self.rope_cos, self.rope_sin = rope_table(T, self.args.head_dim, self.args.rope_theta,
+                                                  torch.promote_types(dtype, torch.float32),
+                                                  device)
         for layer in self.layers:
             a = layer.attn
             shape = (max_batch_size, T, a.n_kv_heads, a.head_dim)
@@ -191,8 +197,8 @@ class Transformer(nn.Module):
         if self.layers[0].attn.k_cache is None:
             raise RuntimeError("KV cache missing: call model.setup_cache() after apply_tp")
         h = self.embed(tokens)  # [B, S, H]
-        rot = rope_angles(input_pos, self.args.head_dim, self.args.rope_theta,
-                          torch.promote_types(h.dtype, torch.float32))
+        rot_dtype = torch.promote_types(h.dtype, torch.float32)
+        rot = tuple(t[input_pos].to(rot_dtype) for t in (self.rope_cos, self.rope_sin))
         capture, captured = self.args.capture_layers, {}
         for i, layer in enumerate(self.layers):
             if i in capture:

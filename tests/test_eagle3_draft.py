@@ -219,3 +219,16 @@ def test_drafts_during_speculative_decoding_match_oracle(monkeypatch):
     _, hidden = e3.prefill(target, seq)
     for L, tree in trees:
         check_against_oracle(tree, draft, vocab_ids, seq[1 : L + 1], hidden[:L])
+
+
+def test_rope_table_gathers_what_rope_angles_computes():
+    """The target and the draft gather RoPE's cos/sin from a table of positions 0..T-1
+    (``rope.rope_table``, made by ``setup_cache``) instead of computing them per step: the
+    same values, bit for bit, at any position in the table."""
+    from fxcoalesce.models.rope import rope_angles, rope_table
+
+    pos = torch.tensor([0, 5, 63, 64, 200, 255])
+    for dtype in (torch.float32, torch.float64):
+        cos, sin = rope_table(256, 64, 100000.0, dtype)
+        want = rope_angles(pos, 64, 100000.0, dtype)
+        assert torch.equal(cos[pos], want[0]) and torch.equal(sin[pos], want[1])
