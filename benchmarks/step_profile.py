@@ -42,8 +42,8 @@ def main() -> None:
     ap.add_argument("--head", help="head directory (default: the committed one)")
     ap.add_argument("--compile", action="store_true", help="time and profile compiled steps")
     ap.add_argument("--random-weights", action="store_true",
-                    help="SmolLM2-135M's shape with seeded weights and a 36-token prompt (the chat prompt's length), no "
-                         "GGUF (kernel times only: a step's work does not depend on weights)")
+                    help="SmolLM2-135M's shape, seeded weights, a 36-token prompt (the chat "
+                         "prompt's length), no GGUF (kernel times: the work is the same)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dev = torch.device(args.device)
