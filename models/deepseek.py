@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .capture import capture_layers, check_capture_layers
-from .rope import rope_angles, rope_interleaved
+from .rope import rope_interleaved, rope_table
 from .tp import (
     Group,
     VocabParallelEmbedding,
@@ -331,18 +331,23 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(i, args) for i in range(args.n_layers))
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.head = nn.Linear(args.dim, args.vocab, bias=False)
+        self.register_buffer("rope_cos", None, persistent=False)  # [T, r/2]: setup_cache
+        self.register_buffer("rope_sin", None, persistent=False)
         self.group: Group = None
 
     def setup_cache(self, max_batch_size: int | None = None, max_seq_len: int | None = None,
                     dtype: torch.dtype | None = None,
                     device: torch.device | str | None = None) -> None:
-        """Allocate each layer's latent cache [B, T, kv_lora_rank + qk_rope_head_dim] (zeros);
+        """Allocate each layer's latent cache [B, T, kv_lora_rank + qk_rope_head_dim] (zeros)
+        and the RoPE table of positions 0..T-1 (``rope_cos`` / ``rope_sin``, as in llama.py);
         defaults come from args and the weights."""
         B = max_batch_size or self.args.max_batch_size
         T = max_seq_len or self.args.max_seq_len
         dtype = dtype or self.head.weight.dtype
         device = device or self.head.weight.device
         width = self.args.kv_lora_rank + self.args.qk_rope_head_dim
+        self.rope_cos, self.rope_sin = rope_table(T, self.args.qk_rope_head_dim,
+                                                  self.args.rope_theta, _acc(dtype), device)
         for layer in self.layers:
             layer.attn.kv_cache = torch.zeros(B, T, width, dtype=dtype, device=device)
 
@@ -356,8 +361,7 @@ class Transformer(nn.Module):
         h = self.embed(tokens)  # [B, S, H]
         # (cos, sin) [S, r/2]. Plain RoPE: the checkpoints' YaRN extension only changes
         # these constants (and the softmax scale), not the graph, so it is left out.
-        rot = rope_angles(input_pos, self.args.qk_rope_head_dim, self.args.rope_theta,
-                          _acc(h.dtype))
+        rot = tuple(t[input_pos].to(_acc(h.dtype)) for t in (self.rope_cos, self.rope_sin))
         capture, captured = self.args.capture_layers, {}
         for i, layer in enumerate(self.layers):
             if i in capture:
