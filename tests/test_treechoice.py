@@ -318,3 +318,20 @@ def test_the_guard_compares_step_rates_leaving_the_prefill_out():
     assert run(3, {2: 3.0}) == []
     # a slowdown that lasts (every step from the second 1.5 s: 2 tokens/s) is
     assert run(3, {s: 0.5 for s in range(2, 17)}) == gave_up
+
+
+@pytest.mark.parametrize("tree", ["auto", (8, 7, 96), (1, 1, 2)])
+def test_the_caches_hold_a_forced_tree_as_well_as_every_candidate(tree):
+    """cache_len / draft_room size the KV caches before the tree is known: for every candidate
+    and for a forced tree outside them (a forced (8, 7, 96) once overran the draft cache sized
+    for (8, 6, 64): "the draft KV cache (424) must hold the target's (384) plus 48")."""
+    from fxcoalesce.apps.spec.specdecode import SpecOptions, cache_len, draft_room
+    from fxcoalesce.models import eagle3_static as es
+
+    opt = SpecOptions(gguf="", draft="", prompts=((1,) * 37,), tree=tree)
+    T = cache_len(opt)
+    shapes = list(tc.CANDIDATES) + ([tree] if isinstance(tree, tuple) else [])
+    for k, d, n in shapes:
+        spec = es.TreeSpec(top_k=k, depth=d, total_tokens=n)
+        es._check_room(37, opt.tokens, T, spec.total_tokens, T + draft_room(opt),
+                       spec.draft_slots())  # raises where a cache is short

@@ -109,7 +109,7 @@ def cache_len(opt: SpecOptions) -> int:
     """Target KV cache slots: the longest prompt, the new tokens, one step's tree (the largest
     candidate's when the tree is chosen by measurement), rounded up to 64 (aligned attention
     masks)."""
-    tree = (treechoice.room_for_candidates()[0] if opt.tree is not None else
+    tree = (treechoice.room_for_candidates(opt.tree)[0] if opt.tree is not None else
             opt.total_tokens)
     need = max(map(len, opt.prompts)) + max(opt.tokens, opt.warmup_tokens) + tree
     return -(-need // 64) * 64
@@ -118,7 +118,7 @@ def cache_len(opt: SpecOptions) -> int:
 def draft_room(opt: SpecOptions) -> int:
     """Draft KV cache slots past the target's."""
     if opt.tree is not None:
-        return treechoice.room_for_candidates()[1]
+        return treechoice.room_for_candidates(opt.tree)[1]
     return es_spec(opt).draft_slots()
 
 

@@ -517,8 +517,10 @@ def machine_key_of(record: dict) -> dict:
     return record["key"]
 
 
-def room_for_candidates() -> tuple[int, int]:
+def room_for_candidates(mode: str | tuple[int, int, int] = "auto") -> tuple[int, int]:
     """(target slots one step needs, draft slots past the committed length) of the largest
-    candidate: the caches the timing and every chosen tree fit."""
-    specs = [es.TreeSpec(top_k=k, depth=d, total_tokens=n) for k, d, n in CANDIDATES]
+    candidate, or of the tree ``mode`` forces where larger: the caches the timing and every
+    chosen tree fit (a forced (8, 7, 96) once overran the draft cache sized for (8, 6, 64))."""
+    shapes = list(CANDIDATES) + ([tuple(mode)] if isinstance(mode, (tuple, list)) else [])
+    specs = [es.TreeSpec(top_k=k, depth=d, total_tokens=n) for k, d, n in shapes]
     return max(s.total_tokens for s in specs), max(s.draft_slots() for s in specs)
