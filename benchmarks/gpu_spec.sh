@@ -17,7 +17,8 @@
 # step timed here as a CUDA-graph replay, the head's acceptance, greedy where no tree is
 # faster; apps/spec/treechoice.py); TREE=8,6,64 (or greedy, spec, measure) overrides it.
 # The decision is cached under $FXCOALESCE_CACHE (default ~/.cache/fxcoalesce)/spec-tree.
-# Both decodings' prefill is compiled on cuda (BENCH_ARGS="--prefill eager": as before 2026-12-06).
+# Both decodings' prefill is compiled on cuda (BENCH_ARGS="--prefill eager": as before 2026-12-06),
+# and both launch each step before reading the last (BENCH_ARGS="--launch-ahead off": before).
 #
 # prep   installs the checkout and every wheel in carry/ (gguf) into $SITE (/tmp/site), and
 #        copies carry/*.gguf.part-* to /tmp/fxc-gguf/; once the parts add up to the GGUF's

@@ -34,7 +34,7 @@ def main() -> int:
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     target = llama.build(llama.TINY).to(dev, dtype)
     draft = e3.build_draft(e3.DraftArgs.for_target(target.args), seed=1).to(dev, dtype)
-    room, draft_room = tc.room_for_candidates()
+    room, draft_room, _ = tc.room_for_candidates()
     slots = -(-(40 + 256 + room) // 64) * 64  # spec_bench's cache: prompt + tokens + a tree
     target.setup_cache(1, slots)
     draft.setup_cache(slots + draft_room)

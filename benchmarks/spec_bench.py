@@ -23,7 +23,7 @@ from pathlib import Path
 from fxcoalesce.apps.spec import smollm2
 from fxcoalesce.apps.launch import default_backend, spawn
 from fxcoalesce.apps.spec.prompts import held_out_prompts
-from fxcoalesce.apps.spec.specdecode import SpecOptions, spec_worker, summarize
+from fxcoalesce.apps.spec.specdecode import SpecOptions, ahead, spec_worker, summarize
 
 
 def main(argv=None) -> int:
@@ -44,6 +44,9 @@ def main(argv=None) -> int:
                    help="both decodings' prefill: eager in the prompt's shape, or compiled "
                         "like the steps, the prompt padded to a multiple of 64 (default: "
                         "compiled on cuda, eager on cpu)")
+    p.add_argument("--launch-ahead", default=None, choices=["on", "off"],
+                   help="both decodings launch each step before reading the last (default: "
+                        "on cuda; specdecode.LAUNCH_AHEAD)")
     p.add_argument("--warmup-tokens", type=int, default=64)
     p.add_argument("--out", required=True, help="JSON file (rewritten after every prompt)")
     args = p.parse_args(argv)
@@ -61,9 +64,11 @@ def main(argv=None) -> int:
                       tokens=args.tokens, device=args.device, tree=tree, codegen=args.codegen,
                       mode=None if args.mode == "default" else args.mode,
                       warmup_tokens=args.warmup_tokens, progress=args.out,
-                      prefill_compiled=args.prefill == "compiled")
+                      prefill_compiled=args.prefill == "compiled",
+                      launch_ahead=None if args.launch_ahead is None else args.launch_ahead == "on")
     print(f"spec_bench: {len(texts)} held-out prompts, TP {args.tp} on {args.device}, tree "
-          f"{args.tree}, {args.codegen} mode {args.mode}, prefill {args.prefill}", flush=True)
+          f"{args.tree}, {args.codegen} mode {args.mode}, prefill {args.prefill}, launch ahead "
+          f"{'on' if ahead(opt) else 'off'}", flush=True)
     if args.tp == 1:
         ranks = [spec_worker(0, 1, opt)]
     else:

@@ -58,7 +58,7 @@ def main() -> None:
                          target_args=target.args,
                          embed_weight=target.embed.weight.detach().clone(), device=dev,
                          dtype=dtype)
-    room, draft_room = tc.room_for_candidates(tuple(int(x) for x in args.tree.split(",")))
+    room, draft_room, _ = tc.room_for_candidates(tuple(int(x) for x in args.tree.split(",")))
     ids = tok.encode_chat("Why is the sky blue?") if tok else list(range(1, 37))
     T = -(-(len(ids) + 64 + room) // 64) * 64  # as the demo sizes its cache
     target.setup_cache(1, T)

@@ -14,7 +14,8 @@ with M = depth + 1, the most tokens one step can emit. The draft catches up on a
 (the n real ones first: rows past them write slots that the tree overwrites before anyone
 reads them), drafts the same tree as ``eagle3.draft_tree`` and the target verifies it; the
 accepted path is found from the tree mask (no retrieve_indices, whose size varies), its KV
-entries moved, all in the graph. The host reads ``state`` once per step (tokens, stop test).
+entries moved, all in the graph. The host reads ``state`` once per step (tokens, stop test):
+on a GPU while the next step runs (``ahead``, ``_Steps``).
 
 The prefill can be one graph too (``prefill_static``, ``spec_prefill_static``: the prompt
 padded to a multiple of 64, ``pad_prompt``): eagerly it launched ~1,500 kernels one by one.
@@ -253,6 +254,53 @@ def _sync_step() -> None:
     torch.compiler.cudagraph_mark_step_begin()
 
 
+class HostCopy:
+    """A device tensor's values for the host, copied after the work queued so far and read
+    later without waiting for work queued after it (the next step). On a CPU, the tensor."""
+
+    def __init__(self, t: torch.Tensor):
+        self.event = None
+        if t.is_cuda:
+            self.values = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self.values.copy_(t, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record(torch.cuda.current_stream(t.device))
+        else:
+            self.values = t
+
+    def tolist(self) -> list:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.values.tolist()
+
+
+def _step(fn: Callable, *args) -> tuple[tuple[torch.Tensor, ...], HostCopy]:
+    """One step launched: its outputs cloned (the replay's own live until the next), and the
+    host copy of the first started."""
+    _sync_step()
+    outs = fn(*args)
+    outs = tuple(t.clone() for t in outs) if isinstance(outs, tuple) else (outs.clone(),)
+    return outs, HostCopy(outs[0])
+
+
+class _Steps:
+    """A decoding's steps, each launched from the last one's device outputs: ``fn(*args)``
+    first, then ``fn(*inputs(outputs))``. ``ahead``: each step is launched before the host
+    reads the one before it, so the host's work (the read, the stop test, the next launch)
+    runs while the device computes, and after the last step read one more has run, unread
+    (its cache writes lie past the tokens kept). Without: launch, read, decide, launch."""
+
+    def __init__(self, fn: Callable, args: tuple, inputs: Callable, ahead: bool):
+        self.fn, self.args, self.inputs, self.ahead, self.pending = fn, args, inputs, ahead, None
+
+    def take(self) -> tuple[tuple[torch.Tensor, ...], list]:
+        """The next step's device outputs and its first output's values on the host."""
+        outs, copy = self.pending or _step(self.fn, *self.args)
+        self.args = self.inputs(outs)
+        self.pending = _step(self.fn, *self.args) if self.ahead else None
+        return outs, copy.tolist()
+
+
 @torch.no_grad()
 def speculative_generate_static(target: nn.Module, draft: Eagle3Draft, prompt: torch.Tensor,
                                 max_new_tokens: int, *, spec: TreeSpec,
@@ -260,7 +308,7 @@ def speculative_generate_static(target: nn.Module, draft: Eagle3Draft, prompt: t
                                 stop_tokens: Collection[int] = (),
                                 give_up: Callable[[int, int], bool] | None = None,
                                 greedy_fn: Callable = decode_step,
-                                prefill_fn: Callable | None = None
+                                prefill_fn: Callable | None = None, ahead: bool = False
                                 ) -> tuple[list[int], SpecStats]:
     """Greedy EAGLE-3 with ``step_fn`` (``spec_step``, compiled or not): prompt [P] -> (new
     tokens, stats), the same tokens as ``eagle3.speculative_generate``. Both KV caches must be
@@ -271,10 +319,12 @@ def speculative_generate_static(target: nn.Module, draft: Eagle3Draft, prompt: t
     its root: the same tokens (``stats.greedy_from``: the step it fell back after).
 
     ``prefill_fn`` (``spec_prefill_static`` with ``pairs`` bound, compiled), else the prefill
-    runs eagerly in the prompt's own shape."""
+    runs eagerly in the prompt's own shape. ``ahead``: each step is launched before the host
+    reads the last (``_Steps``; the target's cache needs ``spec.pairs`` slots more, for the
+    step past the end)."""
     T, P, M = kv_caches(target)[0].shape[1], prompt.shape[0], spec.pairs
-    _check_room(P, max_new_tokens, T, spec.total_tokens, draft.k_cache.shape[1],
-                spec.draft_slots())
+    _check_room(P, max_new_tokens, T, spec.total_tokens + (M if ahead else 0),
+                draft.k_cache.shape[1], spec.draft_slots())
     if prefill_fn is not None:
         _sync_step()
         state, pairs = (t.clone() for t in prefill_fn(target, draft, *_padded(prompt, T)))
@@ -292,10 +342,10 @@ def speculative_generate_static(target: nn.Module, draft: Eagle3Draft, prompt: t
         pairs = hidden.new_zeros(M, hidden.shape[-1])
         pairs[0] = hidden[-1]
     out, stats = [int(root)], SpecStats([])
+    steps = _Steps(step_fn, (target, draft, state, pairs, spec),
+                   lambda o: (target, draft, *o, spec), ahead)
     while len(out) < max_new_tokens and out[-1] not in stop_tokens:
-        _sync_step()
-        state, pairs = (t.clone() for t in step_fn(target, draft, state, pairs, spec))
-        host = state.tolist()  # the one host sync of the step
+        _, host = steps.take()  # the step's state: the one host sync of the step
         new = host[2 : 2 + host[1]]
         stats.accepted.append(len(new))
         for t in new:
@@ -307,10 +357,7 @@ def speculative_generate_static(target: nn.Module, draft: Eagle3Draft, prompt: t
             stats.greedy_from = len(stats.accepted)
             # the newest token is the root: not in the target's cache, at position L
             g = torch.tensor([out[-1], host[0]], device=prompt.device)
-            while len(out) < max_new_tokens and out[-1] not in stop_tokens:
-                _sync_step()
-                g = greedy_fn(target, g).clone()
-                out.append(int(g[0]))
+            _greedy_steps(greedy_fn, target, g, out, max_new_tokens, stop_tokens, ahead)
             break
     return out[:max_new_tokens], stats
 
@@ -319,10 +366,11 @@ def speculative_generate_static(target: nn.Module, draft: Eagle3Draft, prompt: t
 def greedy_generate_static(target: nn.Module, prompt: torch.Tensor, max_new_tokens: int, *,
                            step_fn: Callable = decode_step,
                            stop_tokens: Collection[int] = (),
-                           prefill_fn: Callable | None = None) -> list[int]:
+                           prefill_fn: Callable | None = None, ahead: bool = False) -> list[int]:
     """Target-only greedy decoding with ``step_fn`` (``decode_step``, compiled or not), one
     host sync per token for the stop test: the baseline ``speculative_generate_static`` is
-    measured against. ``prefill_fn``: ``prefill_static`` (compiled), else an eager prefill."""
+    measured against (give both the same ``ahead``: ``_Steps``). ``prefill_fn``:
+    ``prefill_static`` (compiled), else an eager prefill."""
     T, P = kv_caches(target)[0].shape[1], prompt.shape[0]
     _check_room(P, max_new_tokens, T, 0, T, 0)
     if prefill_fn is not None:
@@ -332,8 +380,13 @@ def greedy_generate_static(target: nn.Module, prompt: torch.Tensor, max_new_toke
         logits, _ = prefill(target, prompt)
         state = torch.stack([logits[-1].argmax(), torch.tensor(P, device=prompt.device)])
     out = [int(state[0])]
-    while len(out) < max_new_tokens and out[-1] not in stop_tokens:
-        _sync_step()
-        state = step_fn(target, state).clone()
-        out.append(int(state[0]))
+    _greedy_steps(step_fn, target, state, out, max_new_tokens, stop_tokens, ahead)
     return out
+
+
+def _greedy_steps(step_fn: Callable, target: nn.Module, state: torch.Tensor, out: list[int],
+                  max_new_tokens: int, stop_tokens: Collection[int], ahead: bool) -> None:
+    """Greedy steps from ``state`` (token, position), appending to ``out`` to the end."""
+    steps = _Steps(step_fn, (target, state), lambda o: (target, *o), ahead)
+    while len(out) < max_new_tokens and out[-1] not in stop_tokens:
+        out.append(steps.take()[1][0])

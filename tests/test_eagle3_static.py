@@ -75,36 +75,55 @@ def _spec_pair():
     return target, draft, seq
 
 
-def test_static_generation_equals_reference():
+def _counting(fn, calls: list):
+    def call(*args):
+        calls.append(fn)
+        return fn(*args)
+    return call
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_static_generation_equals_reference(ahead):
     """Tokens and accepted lengths of eagle3.speculative_generate (itself checked against
-    the target's greedy decoding and the longest right path): both long and short paths."""
+    the target's greedy decoding and the longest right path): both long and short paths.
+    ``ahead``: the same, each step launched before the last is read, one step past the end."""
     target, draft, seq = _spec_pair()
     want, want_stats = e3.speculative_generate(target, draft, PROMPT, 40, top_k=TOP_K,
                                                depth=DEPTH, total_tokens=TOTAL)
     draft.setup_cache(128 + SPEC.draft_slots())
-    got, stats = es.speculative_generate_static(target, draft, PROMPT, 40, spec=SPEC)
+    calls = []
+    got, stats = es.speculative_generate_static(target, draft, PROMPT, 40, spec=SPEC,
+                                                step_fn=_counting(es.spec_step, calls),
+                                                ahead=ahead)
     assert got == want.tolist() == seq[len(PROMPT): len(PROMPT) + 40].tolist()
     assert stats.accepted == want_stats.accepted
     assert max(stats.accepted) >= 4 and min(stats.accepted) < 4, stats.accepted
-    assert es.greedy_generate_static(target, PROMPT, 40) == want.tolist()
+    assert len(calls) == len(stats.accepted) + ahead
+    calls = []
+    assert es.greedy_generate_static(target, PROMPT, 40, ahead=ahead,
+                                     step_fn=_counting(es.decode_step, calls)) == want.tolist()
+    assert len(calls) == 39 + ahead
 
 
-def test_static_generation_stops_at_a_stop_token():
+@pytest.mark.parametrize("ahead", [False, True])
+def test_static_generation_stops_at_a_stop_token(ahead):
     target, draft, seq = _spec_pair()
     new = seq[len(PROMPT):].tolist()
     stop = new[17]
     want = new[: new.index(stop) + 1]
     got, _ = es.speculative_generate_static(target, draft, PROMPT, 40, spec=SPEC,
-                                            stop_tokens={stop})
+                                            stop_tokens={stop}, ahead=ahead)
     assert got == want
-    assert es.greedy_generate_static(target, PROMPT, 40, stop_tokens={stop}) == want
+    assert es.greedy_generate_static(target, PROMPT, 40, stop_tokens={stop},
+                                     ahead=ahead) == want
     ref, _ = e3.speculative_generate(target, draft, PROMPT, 40, top_k=TOP_K, depth=DEPTH,
                                      total_tokens=TOTAL, stop_tokens={stop})
     assert ref.tolist() == want
 
 
+@pytest.mark.parametrize("ahead", [False, True])
 @pytest.mark.parametrize("after", [1, 3])
-def test_greedy_takes_over_from_the_same_cache(after):
+def test_greedy_takes_over_from_the_same_cache(after, ahead):
     """``give_up`` True after a step: greedy decoding continues from the speculative
     decoding's cache and newest token, to the same tokens; the steps before it are kept."""
     target, draft, seq = _spec_pair()
@@ -121,13 +140,15 @@ def test_greedy_takes_over_from_the_same_cache(after):
         return es.decode_step(model, state)
 
     got, stats = es.speculative_generate_static(target, draft, PROMPT, 40, spec=SPEC,
-                                                give_up=give_up, greedy_fn=greedy_fn)
+                                                give_up=give_up, greedy_fn=greedy_fn,
+                                                ahead=ahead)
     assert got == seq[len(PROMPT): len(PROMPT) + 40].tolist()
     assert stats.greedy_from == after and len(stats.accepted) == after
     emitted = 1 + sum(stats.accepted)  # the prefill's token, then the steps'
     assert asked[-1] == (after, emitted)
     # greedy's first position is the speculative decoding's committed length: prompt + emitted - 1
-    assert calls[0] == len(PROMPT) + emitted - 1 and len(calls) == 40 - emitted
+    # (the spec step launched ahead ran past the handover, its writes overwritten by greedy's)
+    assert calls[0] == len(PROMPT) + emitted - 1 and len(calls) == 40 - emitted + ahead
     _, never = es.speculative_generate_static(target, draft, PROMPT, 40, spec=SPEC,
                                               give_up=lambda s, t: False)
     assert never.greedy_from is None
@@ -196,6 +217,10 @@ def test_room_checks():
     target, draft, _ = _spec_pair()
     with pytest.raises(ValueError, match="exceed the target KV cache"):
         es.speculative_generate_static(target, draft, PROMPT, 110, spec=SPEC)
+    T = es.kv_caches(target)[0].shape[1]
+    fits = T - len(PROMPT) - SPEC.total_tokens  # without the step launched past the end
+    with pytest.raises(ValueError, match=f"\\+ {SPEC.total_tokens + SPEC.pairs} slots"):
+        es.speculative_generate_static(target, draft, PROMPT, fits, spec=SPEC, ahead=True)
     draft.setup_cache(128)
     with pytest.raises(ValueError, match="draft KV cache"):
         es.speculative_generate_static(target, draft, PROMPT, 10, spec=SPEC)

@@ -220,7 +220,7 @@ def _two_ranks_worker(rank: int, world: int, cache: str) -> list:
     target = llama.build(llama.TINY)
     draft = e3.build_draft(e3.DraftArgs.for_target(target.args), seed=1)
     llama.apply_tp(target, dist.group.WORLD)
-    room, draft_room = tc.room_for_candidates()
+    room, draft_room, _ = tc.room_for_candidates()
     target.setup_cache(1, 64 + room)
     draft.setup_cache(64 + room + draft_room)
     seen = []
@@ -320,18 +320,22 @@ def test_the_guard_compares_step_rates_leaving_the_prefill_out():
     assert run(3, {s: 0.5 for s in range(2, 17)}) == gave_up
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
 @pytest.mark.parametrize("tree", ["auto", (8, 7, 96), (1, 1, 2)])
-def test_the_caches_hold_a_forced_tree_as_well_as_every_candidate(tree):
+def test_the_caches_hold_a_forced_tree_as_well_as_every_candidate(tree, device):
     """cache_len / draft_room size the KV caches before the tree is known: for every candidate
     and for a forced tree outside them (a forced (8, 7, 96) once overran the draft cache sized
-    for (8, 6, 64): "the draft KV cache (424) must hold the target's (384) plus 48")."""
-    from fxcoalesce.apps.spec.specdecode import SpecOptions, cache_len, draft_room
+    for (8, 6, 64): "the draft KV cache (424) must hold the target's (384) plus 48"), and on
+    CUDA for the step launched past the end (``specdecode.LAUNCH_AHEAD``)."""
+    from fxcoalesce.apps.spec.specdecode import SpecOptions, ahead, cache_len, draft_room
     from fxcoalesce.models import eagle3_static as es
 
-    opt = SpecOptions(gguf="", draft="", prompts=((1,) * 37,), tree=tree)
+    P = 90 if tree == (8, 7, 96) else 60  # where the step past the end needs 64 slots more
+    opt = SpecOptions(gguf="", draft="", prompts=((1,) * P,), tree=tree, device=device)
     T = cache_len(opt)
     shapes = list(tc.CANDIDATES) + ([tree] if isinstance(tree, tuple) else [])
     for k, d, n in shapes:
         spec = es.TreeSpec(top_k=k, depth=d, total_tokens=n)
-        es._check_room(37, opt.tokens, T, spec.total_tokens, T + draft_room(opt),
+        past = spec.pairs if ahead(opt) else 0
+        es._check_room(P, opt.tokens, T, spec.total_tokens + past, T + draft_room(opt),
                        spec.draft_slots())  # raises where a cache is short

@@ -87,6 +87,9 @@ class SpecOptions:
     an H100 the eager prefill took 24-50 ms (~1,500 kernels launched one by one), 70-125 ms at
     a prompt length the process had not seen (the libraries' set-up per shape): a fifth of a
     256-token speculative decoding; compiled, 3.0-3.8 ms (benchmarks/NOTES.md, session 12)."""
+    launch_ahead: bool | None = None
+    """Both decodings launch each step before the host reads the last (``LAUNCH_AHEAD``);
+    None: on the devices ``LAUNCH_AHEAD`` names."""
 
 
 GUARD_FIRST, GUARD_EVERY, GUARD_RATIO = 8, 4, 0.97
@@ -105,13 +108,28 @@ an H100 gave up at step 4 (each at ~1.0x of greedy, where the others ran ~2x; th
 replay on a CPU gives up on the same three, and from step 8 on none; session 12)."""
 
 
+LAUNCH_AHEAD = ("cuda",)
+"""Devices where each decoding step, greedy and speculative alike, is launched before the host
+reads the one before it (``eagle3_static._Steps``): on an H100 the host's work between two
+CUDA-graph replays (the read, the stop test, the next replay's launch) took 0.4-1 ms a step
+where the GPU's took 1.3 ms (greedy) and 1.9 ms (the 64-token tree), one after the other
+(benchmarks/NOTES.md, session 14). A CPU computes while the host waits: nothing to hide."""
+
+
+def ahead(opt: SpecOptions) -> bool:
+    return opt.device in LAUNCH_AHEAD if opt.launch_ahead is None else opt.launch_ahead
+
+
 def cache_len(opt: SpecOptions) -> int:
     """Target KV cache slots: the longest prompt, the new tokens, one step's tree (the largest
-    candidate's when the tree is chosen by measurement), rounded up to 64 (aligned attention
-    masks)."""
-    tree = (treechoice.room_for_candidates(opt.tree)[0] if opt.tree is not None else
-            opt.total_tokens)
-    need = max(map(len, opt.prompts)) + max(opt.tokens, opt.warmup_tokens) + tree
+    candidate's when the tree is chosen by measurement) and the tokens of the step launched
+    past the end on CUDA (``LAUNCH_AHEAD``), rounded up to 64 (aligned attention masks)."""
+    if opt.tree is not None:
+        tree, _, past = treechoice.room_for_candidates(opt.tree)
+    else:
+        tree, past = opt.total_tokens, opt.depth + 1
+    need = (max(map(len, opt.prompts)) + max(opt.tokens, opt.warmup_tokens) + tree
+            + (past if ahead(opt) else 0))
     return -(-need // 64) * 64
 
 
@@ -280,7 +298,7 @@ def spec_worker(rank: int, world: int, opt: SpecOptions) -> dict:
                 greedy = es.greedy_generate_static(
                     target, prompt, tokens,
                     step_fn=stamped(counted(decode, phase, True), stepping),
-                    stop_tokens=stop, prefill_fn=greedy_prefill)
+                    stop_tokens=stop, prefill_fn=greedy_prefill, ahead=ahead(opt))
             phase.count = len(greedy)
         _sync(dev)
         t1 = time.perf_counter()
@@ -298,7 +316,7 @@ def spec_worker(rank: int, world: int, opt: SpecOptions) -> dict:
                 target, draft, prompt, tokens, spec=spec,
                 step_fn=stamped(counted(step, phase, False), spec_stepping),
                 stop_tokens=stop, give_up=guard, greedy_fn=counted(decode, phase, True),
-                prefill_fn=spec_prefill)
+                prefill_fn=spec_prefill, ahead=ahead(opt))
             phase.count = len(spec_out)
         _sync(dev)
         t2 = time.perf_counter()

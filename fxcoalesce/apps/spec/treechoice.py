@@ -517,10 +517,12 @@ def machine_key_of(record: dict) -> dict:
     return record["key"]
 
 
-def room_for_candidates(mode: str | tuple[int, int, int] = "auto") -> tuple[int, int]:
-    """(target slots one step needs, draft slots past the committed length) of the largest
-    candidate, or of the tree ``mode`` forces where larger: the caches the timing and every
-    chosen tree fit (a forced (8, 7, 96) once overran the draft cache sized for (8, 6, 64))."""
+def room_for_candidates(mode: str | tuple[int, int, int] = "auto") -> tuple[int, int, int]:
+    """(target slots one step needs, draft slots past the committed length, tokens one step
+    emits) of the largest candidate, or of the tree ``mode`` forces where larger: the caches
+    the timing and every chosen tree fit (a forced (8, 7, 96) once overran the draft cache
+    sized for (8, 6, 64))."""
     shapes = list(CANDIDATES) + ([tuple(mode)] if isinstance(mode, (tuple, list)) else [])
     specs = [es.TreeSpec(top_k=k, depth=d, total_tokens=n) for k, d, n in shapes]
-    return max(s.total_tokens for s in specs), max(s.draft_slots() for s in specs)
+    return (max(s.total_tokens for s in specs), max(s.draft_slots() for s in specs),
+            max(s.pairs for s in specs))
