@@ -8,9 +8,14 @@ COMM_REORDER_RIGHT_FROM = (2, 14)
 keep KV-cache writes in order; before, they ran a write after the read that needed it
 (kimi-k2-tiny's logits off by ~2). The canary:
 ``tests/test_ranks.py::test_inductor_comm_reorder_passes_right_from_2_14``. Measured on
-2.13.0 (session 13): with :func:`keep_mutation_renames` around the compile, ``raise_comms``
-gives right logits there too (3.9e-6 against 2.31 without): the same lost edge. The passes
-stay off before 2.14 until ``sink_waits`` and torch 2.11 are measured the same way."""
+2.11.0 and 2.13.0 (sessions 13-14, that canary's step on 2 gloo ranks, each pass alone and all
+three, with and without the run-time tags): through fxcoalesce, i.e. with
+:func:`keep_mutation_renames` around the compile, every pass gives right logits (3.5e-6);
+without it 2.31 off (2.13: all three passes; 2.11: ``sink_waits`` and
+``reorder_compute_for_overlap``, ``raise_comms`` right): the same lost edge, not the passes.
+They stay off before 2.14 for now: the bench's plain-Inductor variant ``inductor-reorder``
+shares this gate and has no backport, and their time on 2.11's GPUs is unmeasured
+(benchmarks/NOTES.md, session 14)."""
 
 COMM_REORDER_PASSES = ("sink_waits", "raise_comms", "reorder_compute_for_overlap")
 
