@@ -50,9 +50,9 @@ INSPECT_EXAMPLE = (f"fxcoalesce inspect --model {INSPECT_MODEL} --layers {INSPEC
                    f"--tp {INSPECT_TP}")
 """The command whose result the demo's last line shows, traced in the demo's own process
 as the command traces it (tests/test_tour.py checks the line against the command's output)."""
-RECORDED_GPU = "benchmarks/results/gpu_h100x1_torch2.11_2026-12-06_session13/run1/spec_tp1.json"
-"""SmolLM2 with the same head on one H100 (32 prompts, the lower of two runs): what a GPU makes
-of the same decoding. Not the two-H200 TP-2 record of 2026-11-30: Inductor before torch 2.15 compiled
+RECORDED_GPU = "benchmarks/results/gpu_h100x1_torch2.11_2026-12-06_session14/run/spec_tp1.json"
+"""SmolLM2 with the same head on one H100 (32 prompts, the lower of two runs, the newest code
+measured there: 4b23cad, the RoPE table): what a GPU makes of the same decoding. Not the two-H200 TP-2 record of 2026-11-30: Inductor before torch 2.15 compiled
 that step wrong (docs/measurements.md)."""
 DISPLAY = "SmolLM2-135M-Instruct"
 
