@@ -16,6 +16,8 @@
 # tp1/tp2 size the tree as `fxcoalesce demo` does (spec_bench.py --tree auto: each candidate
 # step timed here as a CUDA-graph replay, the head's acceptance, greedy where no tree is
 # faster; apps/spec/treechoice.py); TREE=8,6,64 (or greedy, spec, measure) overrides it.
+# TREE=8,7,96 was the fastest on an H100 (2.22x, accepted 3.62; auto's pick, 8,6,64: 2.08x,
+# 3.44; benchmarks/results/gpu_h100x1_torch2.11_2026-12-06_session15/).
 # The decision is cached under $FXCOALESCE_CACHE (default ~/.cache/fxcoalesce)/spec-tree.
 # Both decodings' prefill is compiled on cuda (BENCH_ARGS="--prefill eager": as before 2026-12-06),
 # and both launch each step before reading the last (BENCH_ARGS="--launch-ahead off": before).

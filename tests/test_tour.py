@@ -129,6 +129,19 @@ def test_readme_shows_the_demos_lines():
     assert readme_demo_block()[0].startswith("1/2 merging all_reduces: neox-tiny, ")
 
 
+def test_the_recorded_gpu_line_is_its_files_and_the_readmes():
+    """The demo's GPU line is read from the recorded run, tree included, and the README shows
+    the line the demo prints today."""
+    import json
+
+    line = tour.recorded_gpu_line()
+    d = json.loads((Path(tour.__file__).resolve().parents[2] / tour.RECORDED_GPU).read_text())
+    tree = ",".join(str(d["tree"][k]) for k in ("top_k", "depth", "total_tokens"))
+    assert f"{d['speedup_vs_target_greedy']:.2f}x over greedy" in line
+    assert f"accepted length {d['mean_accepted']:.2f}, tree ({tree}), TP {d['tp']}" in line
+    assert line.strip() in [ln.strip() for ln in readme_demo_block()]
+
+
 @pytest.mark.slow
 def test_demo_as_ci_runs_it():
     """The whole demo: the merge model's launches from its shape (one all_reduce for the

@@ -50,9 +50,11 @@ INSPECT_EXAMPLE = (f"fxcoalesce inspect --model {INSPECT_MODEL} --layers {INSPEC
                    f"--tp {INSPECT_TP}")
 """The command whose result the demo's last line shows, traced in the demo's own process
 as the command traces it (tests/test_tour.py checks the line against the command's output)."""
-RECORDED_GPU = "benchmarks/results/gpu_h100x1_torch2.11_2026-12-06_session14/run/spec_tp1.json"
-"""SmolLM2 with the same head on one H100 (32 prompts, the lower of two runs, the newest code
-measured there: 4b23cad, the RoPE table): what a GPU makes of the same decoding. Not the two-H200 TP-2 record of 2026-11-30: Inductor before torch 2.15 compiled
+RECORDED_GPU = "benchmarks/results/gpu_h100x1_torch2.11_2026-12-06_session15/tree_8-7-96/spec_tp1.json"
+"""SmolLM2 with the same head on one H100 (32 prompts, the lower of two runs of the newest code
+measured there: 1089409, launch ahead; the tree (8, 7, 96) forced, the deepest that paid;
+(8, 6, 64), what the sizing picks, ran 2.08x beside it: COMMAND.txt): what a GPU makes of the
+same decoding. Not the two-H200 TP-2 record of 2026-11-30: Inductor before torch 2.15 compiled
 that step wrong (docs/measurements.md)."""
 DISPLAY = "SmolLM2-135M-Instruct"
 
@@ -146,9 +148,12 @@ def recorded_gpu_line() -> str | None:
     if not path.is_file():
         return None
     d = json.loads(path.read_text())
+    t = d.get("tree") or {}
+    tree = ",".join(str(t[k]) for k in ("top_k", "depth", "total_tokens")) if t else "none"
     return row(f"recorded on {d['tp']} x {str(d['device']).removeprefix('NVIDIA ').split()[0]}",
                f"{d['speedup_vs_target_greedy']:.2f}x over greedy, accepted length "
-               f"{d['mean_accepted']:.2f}, TP {d['tp']}, CUDA graphs, {d['prompts']} prompts "
+               f"{d['mean_accepted']:.2f}, tree ({tree}), TP {d['tp']}, "
+               f"CUDA graphs, {d['prompts']} prompts "
                f"[{RECORDED_GPU}]")
 
 

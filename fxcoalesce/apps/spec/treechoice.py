@@ -49,9 +49,12 @@ CANDIDATES = ((1, 1, 2), (1, 2, 3), (1, 3, 4), (1, 4, 5), (2, 3, 8), (4, 4, 16),
               (8, 6, 64))
 """(top_k, depth, total_tokens) timed: chains of 1-4 draft tokens, then wider trees up to
 EAGLE-3's default (8, 6, 64), which a GPU verifies at about a greedy step's cost. Deeper ones
-did not pay where measured (2026-12-06): (8,7,96) and (8,8,128) cost 5.53 and 5.78 ms on an
-H100 against 5.23 for (8,6,64) for 3.10 and 3.23 tokens against 3.05 (bf16), and were never
-chosen there or on a CPU: every sizing timed them for nothing."""
+were timed here once (session 14, an H100): (8,7,96) and (8,8,128) cost 5.53 and 5.78 ms
+against 5.23 for (8,6,64), uncompiled in CUDA graphs, for 3.10 and 3.23 tokens against 3.05
+(bf16, 8 prompts), and were never chosen. Decoded compiled (session 15, another H100, 32
+prompts), (8,7,96) was the fastest tree: +0.10 ms a step for 3.62 tokens against 3.44
+(docs/measurements.md). The timing here overstates a deeper tree's compiled cost ~3x; until
+it times compiled steps, ``--tree 8,7,96`` forces it."""
 MARGIN = 1.05
 """A tree is chosen only if its predicted tokens/s beats greedy's by this factor: the
 prediction's acceptance comes from other prompts, and the demo must never fall below
