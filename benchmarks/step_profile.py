@@ -33,18 +33,19 @@ def median_ms(f, dev: torch.device) -> float:
     return statistics.median(timed(run, dev)[1] for _ in range(n)) / 1e3
 
 
-@torch.no_grad()
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def common_args(ap: argparse.ArgumentParser) -> None:
+    """The options step_profile.py and loop_profile.py share."""
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--tree", default="1,1,2", help="top_k,depth,total_tokens")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--head", help="head directory (default: the committed one)")
-    ap.add_argument("--compile", action="store_true", help="time and profile compiled steps")
     ap.add_argument("--random-weights", action="store_true",
                     help="SmolLM2-135M's shape, seeded weights, a 36-token prompt (the chat "
                          "prompt's length), no GGUF (kernel times: the work is the same)")
-    args = ap.parse_args()
+
+
+def load(args):
+    """(target, draft, prompt ids, device, dtype) as ``args`` ask: bf16 on CUDA, else fp32."""
     torch.set_num_threads(args.threads)
     dev = torch.device(args.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -58,8 +59,18 @@ def main() -> None:
                          target_args=target.args,
                          embed_weight=target.embed.weight.detach().clone(), device=dev,
                          dtype=dtype)
-    room, draft_room, _ = tc.room_for_candidates(tuple(int(x) for x in args.tree.split(",")))
     ids = tok.encode_chat("Why is the sky blue?") if tok else list(range(1, 37))
+    return target, draft, ids, dev, dtype
+
+
+@torch.no_grad()
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    common_args(ap)
+    ap.add_argument("--compile", action="store_true", help="time and profile compiled steps")
+    args = ap.parse_args()
+    target, draft, ids, dev, dtype = load(args)
+    room, draft_room, _ = tc.room_for_candidates(tuple(int(x) for x in args.tree.split(",")))
     T = -(-(len(ids) + 64 + room) // 64) * 64  # as the demo sizes its cache
     target.setup_cache(1, T)
     draft.setup_cache(T + draft_room)
