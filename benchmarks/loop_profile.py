@@ -55,9 +55,10 @@ def sync(dev: torch.device) -> None:
 
 def device_us(prof) -> float:
     """The device time the profiler recorded (kernels, copies), microseconds."""
-    name = ("self_device_time_total" if hasattr(prof.key_averages()[0], "self_device_time_total")
+    events = prof.key_averages()
+    name = ("self_device_time_total" if hasattr(events[0], "self_device_time_total")
             else "self_cuda_time_total")
-    return sum(getattr(e, name) for e in prof.key_averages())
+    return sum(getattr(e, name) for e in events)
 
 
 @torch.no_grad()

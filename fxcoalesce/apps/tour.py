@@ -144,12 +144,14 @@ def merge_lines(rec: dict) -> list[str]:
 
 def recorded_gpu_line() -> str | None:
     """The same head and tree as recorded on GPUs (``RECORDED_GPU``), as a labelled line."""
+    from fxcoalesce.apps.spec.treechoice import key_of
+
     path = Path(__file__).resolve().parents[2] / RECORDED_GPU
     if not path.is_file():
         return None
     d = json.loads(path.read_text())
-    t = d.get("tree") or {}
-    tree = ",".join(str(t[k]) for k in ("top_k", "depth", "total_tokens")) if t else "none"
+    t = d.get("tree")
+    tree = key_of((t["top_k"], t["depth"], t["total_tokens"])) if t else "none"
     return row(f"recorded on {d['tp']} x {str(d['device']).removeprefix('NVIDIA ').split()[0]}",
                f"{d['speedup_vs_target_greedy']:.2f}x over greedy, accepted length "
                f"{d['mean_accepted']:.2f}, tree ({tree}), TP {d['tp']}, "
