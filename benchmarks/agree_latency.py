@@ -80,7 +80,7 @@ def trace(repeat: int) -> list[dict]:
     import fxcoalesce
     from fxcoalesce.apps.trace import trace_model
     from fxcoalesce.collectives import program_sequence
-    from fxcoalesce.graph_compile import ladder_runs
+    from fxcoalesce.ranks.compile import ladder_runs
 
     rows = []
     for name, step, tp in TRACE_CASES:

@@ -20,7 +20,7 @@ _EXPORTS = {
     "Config": "config", "CostModel": "config",
     "run_pipeline": "pipeline",
     "Report": "report", "clear_reports": "report", "reports": "report",
-    "CollectiveMismatchError": "ranks.check",
+    "CollectiveMismatchError": "errors",
 }
 
 __all__ = sorted(_EXPORTS)

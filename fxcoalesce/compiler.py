@@ -19,10 +19,11 @@ from torch.fx import Graph
 
 from .compile_cache import compile_key, source_fingerprint, source_files  # noqa: F401 (re-exported)
 from .config import Config
-from .graph_compile import GraphCompile, _raiser, keep, rewrite_agreed
+from .graph_compile import GraphCompile, _raiser, keep, rewrite_graph
 from .pipeline import next_graph_name
-from .ranks.check import CollectiveMismatchError
+from .errors import CollectiveMismatchError
 from .report import record
+from .torch_internals import check_torch
 from .torch_releases import comm_reorder_options
 
 log = logging.getLogger("fxcoalesce")
@@ -117,7 +118,7 @@ def backend(config: Config | None = None, *, on_graph: Callable | None = None,
     """
     from fxcoalesce.passes import check_config
 
-    from .ranks.exchange import announce
+    from .ranks.agreement import announce
 
     announce()  # where this rank runs: peers see at once if it dies before compiling
     cfg = _with_env_dump(_checked(config))
@@ -129,16 +130,15 @@ def backend(config: Config | None = None, *, on_graph: Callable | None = None,
     check_ranks = cfg.check_ranks or env_flag(CHECK_RANKS_ENV)
 
     def compile_graph(gm, example_inputs, *, mode=None, options=None):
+        check_torch()  # a torch newer than tested: warn once, run the canaries (torch_internals)
         patches = {**base, **inductor_patches(mode, options, cfg.codegen)}
         try:
             job = GraphCompile(gm, example_inputs, patches, cfg, name=next_graph_name(),
                                on_graph=on_graph)
             return job.run(check_ranks)
         except CollectiveMismatchError as e:
-            # a peer stopped while this rank compiled (the heartbeat raises the peer's error
-            # in this thread, ``ranks.exchange``): raised here, Dynamo would hand the user a
-            # BackendCompilerFailed; the graph raises it when called, as the agreement's
-            # own errors do (seen under load: test_agreement's crossed interleaving)
+            # raised here, Dynamo would hand the user a BackendCompilerFailed: the graph
+            # raises it when called, as the agreement's own errors do
             return _raiser(e)
 
     return compile_graph
@@ -200,7 +200,7 @@ class FxCoalescePass(CustomGraphPass):
         if gm is None:
             gm = torch.fx.GraphModule(torch.nn.Module(), graph)
         name = next_graph_name()
-        agreed = rewrite_agreed(gm, self.config, name, self.check_ranks)
+        agreed = rewrite_graph(gm, self.config, name, self.check_ranks)
         if agreed.error:
             raise CollectiveMismatchError(
                 f"fxcoalesce check_ranks: {name} would issue different collective sequences "

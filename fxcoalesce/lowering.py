@@ -27,6 +27,8 @@ then run their references, and descriptions say so.
 
 from __future__ import annotations
 
+import contextlib
+
 import hashlib
 import random
 
@@ -58,6 +60,10 @@ def assumed_backend(backend: str | None, cfg: Config) -> str | None:
 def symm_unusable(key: Key, world: int | None, backend: str | None, cfg: Config) -> str | None:
     """Why no symmetric-memory implementation can run an all_reduce of ``key`` (None: they
     can, as far as rank-invariant facts tell)."""
+    from .torch_internals import disabled, reason
+
+    if "symm-mem" in disabled():  # a canary of torch's symm_mem ops failed on this torch
+        return reason("symm-mem")
     if cfg.codegen != "inductor":
         return "the eager codegen cannot place inputs in symmetric memory"
     if not key.device.startswith("cuda") and not runs_reference(key):
@@ -212,8 +218,6 @@ def symm_problem(sequence, nbytes: int = 0) -> str | None:
     are skipped, with no collective."""
     import torch.distributed as dist
 
-    from .ranks.check import _resolve
-
     nccl_groups = symm_groups(sequence, [SYMM_OPS[NCCL_SYMM]])
     for name in symm_groups(sequence):
         try:
@@ -245,3 +249,19 @@ def lowered_bytes(reports) -> int:
     copy-in one-shot's and nccl_symm's (``variant``); Inductor places the others' inputs."""
     return max((d.get("bytes", 0) for r in reports for d in r.decisions
                 if d.get("chose") == "fused" or "variant" in d), default=0)
+
+
+def _resolve(name: str):
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
+
+@contextlib.contextmanager
+def real_tensors():
+    """Real tensors even inside a compile's fake mode (symmetric memory is allocated here)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with unset_fake_temporarily(), _disable_current_modes():
+        yield

@@ -19,6 +19,7 @@ from torch.fx.immutable_collections import immutable_dict
 from torch.fx.node import map_arg
 from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
 
+from . import checked
 from .analysis import analysis_cache, analyze, graph_state, remapped, remember, same_state
 from .config import Config
 from .cost import Roofline, carry_estimates, compute_prefix, graph_device
@@ -44,7 +45,7 @@ def copy_graph_module(gm: GraphModule, nodes: dict | None = None) -> GraphModule
     """
     graph = Graph()
     nodes = {} if nodes is None else nodes
-    if _FAST_COPY:
+    if _FAST_COPY and _fast_copy_on():
         out = _graph_copy(gm.graph, graph, nodes)
     else:
         out = graph.graph_copy(gm.graph, nodes)
@@ -55,6 +56,12 @@ def copy_graph_module(gm: GraphModule, nodes: dict | None = None) -> GraphModule
     nodes[old_output] = new_output
     with _use_lazy_graph_module(True):
         return _make_graph_module(gm, graph)
+
+
+def _fast_copy_on() -> bool:
+    from .torch_internals import enabled
+
+    return enabled("fast-graph-copy")
 
 
 _FAST_COPY = all(hasattr(Graph(), a) for a in ("_graph_namespace", "_insert",
@@ -110,6 +117,29 @@ def run_pipeline(gm: GraphModule, cfg: Config, *, name: str | None = None, recor
     for the graph it keeps: :func:`emit_graph`)."""
     with _gc_paused(), analysis_cache():
         return _run_pipeline(gm, cfg, name=name, record_report=record, emit=emit)
+
+
+def rank_configs(cfg: Config) -> tuple[Config, Config]:
+    """(``cfg`` without the choices that read compute, ``cfg`` in the program's own collective
+    order): the rank layer's fallbacks, from the passes' registry (``ranks`` reaches the
+    passes only through this module)."""
+    from fxcoalesce.passes import program_order, without_compute_choices
+
+    return without_compute_choices(cfg), program_order(cfg)
+
+
+def changes_sequence(cfg: Config) -> bool:
+    """Can the pipeline of ``cfg`` issue another collective sequence than the program's?"""
+    from fxcoalesce.passes import changes_sequence as changes
+
+    return changes(cfg)
+
+
+def emitter(graph: Graph, **where):
+    """The passes' node emitter (``passes.emit.Emitter``), for the rank layer's tags."""
+    from fxcoalesce.passes.emit import Emitter
+
+    return Emitter(graph, **where)
 
 
 def emit_graph(cfg: Config, name: str, before: GraphModule, after: GraphModule,
@@ -179,7 +209,11 @@ def _run_pass(pass_name: str, fn, work: GraphModule, cfg: Config, graph_name: st
     written as ``after_<pass>.txt`` beside the graph's dump (``modules``: the module path of
     each original collective, for the notes)."""
     t = time.perf_counter()
-    result = fn(work, cfg=cfg)
+    # what stays as the program has it (the run-time check's place), handed to the pass: a
+    # pass may move such an all_reduce past what keeps its size (linearity), so it is read
+    # off the graph as it is now
+    pinned = checked.pinned([n for n in work.graph.nodes if is_collective(n)], cfg.run_checks)
+    result = fn(work, cfg=cfg, pinned=pinned)
     state = graph_state(work.graph)
     if not (linted and same_state(linted[0], state)):
         work.graph.lint()

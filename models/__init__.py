@@ -32,7 +32,11 @@ def model_names() -> list[str]:
 def family_of(name: str) -> ModuleType:
     reg = registry()
     if name not in reg:
-        raise ValueError(f"unknown model {name!r}; choose one of: {', '.join(reg)}")
+        import difflib  # (models import torch only: docs/layout.md)
+
+        close = difflib.get_close_matches(name, list(reg), n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ValueError(f"unknown model {name!r}; {hint}choose one of: {', '.join(reg)}")
     return reg[name]
 
 

@@ -35,7 +35,7 @@ from fxcoalesce.meta import (ORIGIN, REPLACES, fake_mode_of, hinted_nbytes, orig
 from .decide import Decider
 from .emit import Emitter, place
 from .result import Bucket, PassResult
-from ..ranks.tag import pinned
+from fxcoalesce.checked import pinned_blocks
 
 aten = torch.ops.aten
 
@@ -43,7 +43,7 @@ aten = torch.ops.aten
 def plan_buckets(analysis: Analysis, cap_bytes: int, *, by_global_level: bool = False,
                  pinned=frozenset()) -> list[list[BlockInfo]]:
     """Group blocks by (key, level) in node order, splitting a group that exceeds the cap;
-    ``pinned`` (``tag.pinned``) stays alone."""
+    ``pinned`` (``checked.pinned``) stays alone."""
     groups: dict[tuple, list[BlockInfo]] = {}
     for info in analysis.infos:
         if info.block.impl != "nccl" or info.block in pinned:  # lowered, or keeps its size
@@ -124,10 +124,11 @@ def _fuse(gm: GraphModule, group: list[BlockInfo], floor: Node | None, mode,
     return fused
 
 
-def bucket_pass(gm: GraphModule, *, cfg: Config) -> PassResult:
+def bucket_pass(gm: GraphModule, *, cfg: Config, pinned: frozenset = frozenset()
+                ) -> PassResult:
     analysis = analyze(gm)
     result = PassResult()
-    keep = pinned(analysis.scan, cfg)
+    keep = pinned_blocks(analysis.scan, pinned)
     plan = plan_buckets(analysis, cfg.bucket_cap_bytes, pinned=keep)
     apart = [b for g in plan_buckets(analysis, cfg.bucket_cap_bytes) if len(g) > 1
              for b in (i.block for i in g) if b in keep]

@@ -57,7 +57,7 @@ from fxcoalesce.meta import (ORIGIN, REPLACES, fake_mode_of, is_scalar, origin, 
 
 from .decide import MIN_SAVING_SHARE, MIN_SAVING_US, Decider
 from .result import Bucket, PassResult
-from ..ranks.tag import pinned
+from fxcoalesce.checked import pinned_blocks
 
 aten, prims = torch.ops.aten, torch.ops.prims
 F32 = torch.float32
@@ -258,10 +258,11 @@ def _is_tensor_like(add: Node, wait: Node) -> bool:
             and a.shape == b.shape and a.dtype == b.dtype)
 
 
-def fuse_norm_pass(gm: GraphModule, *, cfg: Config) -> PassResult:
+def fuse_norm_pass(gm: GraphModule, *, cfg: Config, pinned: frozenset = frozenset()
+                   ) -> PassResult:
     result = PassResult()
     analysis = analyze(gm)
-    keep = pinned(analysis.scan, cfg)
+    keep = pinned_blocks(analysis.scan, pinned)
     sites = [s for s in find_sites(analysis) if s.block not in keep]
     if not sites:
         return result

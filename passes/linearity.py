@@ -45,7 +45,7 @@ ops or the shapes read differ (broadcasting could make the sum larger than any m
 ops other than sum and avg (max and min commute with no sum: ``max(a) + max(b)`` is not
 ``max(a + b)``), through a scaling by a tensor the graph does not make (a weight or an input
 might differ between ranks), or an op whose other inputs come after the all_reduce. The
-all_reduce that opens a rewritten graph's run-time check (``tag.pinned``) is moved past what
+all_reduce that opens a rewritten graph's run-time check (``checked.pinned``) is moved past what
 keeps its element count only. Arguments one rank's graph sees are compared across ranks, as
 the slice pass's are: the new collective's origin (``meta.ORIGIN``, part of the issue
 sequence the ranks agree on) names each member's maps with their input shapes and
@@ -76,7 +76,7 @@ from .decide import Decider
 from .emit import Emitter, place
 from .layout import RESHAPES, SAME_VALUE, VIEWS, layout_chain, layout_source, restorable
 from .result import Bucket, PassResult
-from ..ranks.tag import pinned
+from fxcoalesce.checked import pinned_blocks
 
 aten = torch.ops.aten
 LINEAR_REDUCTIONS = ("sum", "avg")
@@ -386,7 +386,7 @@ def _reached(members: dict[Node, Member]) -> dict[Node, int]:
 
 def _reducible(m: Member, tree_dtype, keep, *, alone: bool = False) -> bool:
     """May ``m`` be moved past its chain (``alone``: its end is replaced, whatever reads it),
-    or into a sum (its end read by the tree alone)? ``keep`` (``tag.pinned``): only through a
+    or into a sum (its end read by the tree alone)? ``keep`` (``checked.pinned``): only through a
     chain that keeps its element count."""
     b = m.block
     return (b.impl == "nccl" and b.key.op in LINEAR_REDUCTIONS and not b.inplace
@@ -550,12 +550,13 @@ ROUNDS = 4
 (``(AR(a) + AR(b)).t() + AR(c).t()``), which the next round sums."""
 
 
-def linearity_pass(gm: GraphModule, *, cfg: Config) -> PassResult:
+def linearity_pass(gm: GraphModule, *, cfg: Config, pinned: frozenset = frozenset()
+                   ) -> PassResult:
     result = PassResult()
     if not cfg.reassociate:
         return result
     for _ in range(ROUNDS):
-        done = _linearity_round(gm, cfg)
+        done = _linearity_round(gm, cfg, pinned)
         result.buckets += done.buckets
         result.decisions += done.decisions
         if not done.changed:
@@ -564,10 +565,10 @@ def linearity_pass(gm: GraphModule, *, cfg: Config) -> PassResult:
     return result
 
 
-def _linearity_round(gm: GraphModule, cfg: Config) -> PassResult:
+def _linearity_round(gm: GraphModule, cfg: Config, pinned: frozenset) -> PassResult:
     result = PassResult()
     analysis = analyze(gm)
-    keep = pinned(analysis.scan, cfg)
+    keep = pinned_blocks(analysis.scan, pinned)
     # each all_reduce as the node a tree of adds reads it through: its chain's end
     members = {}
     for b in analysis.scan.blocks:

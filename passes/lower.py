@@ -38,7 +38,7 @@ from fxcoalesce.meta import (ORIGIN, REPLACES, fake_mode_of, origin, propagate_v
 
 from .decide import Decider
 from .result import Bucket, PassResult
-from ..ranks.tag import pinned
+from fxcoalesce.checked import pinned_blocks
 
 aten = torch.ops.aten
 PINNED = ("the graph's first all_reduce stays a plain all_reduce: it carries the run-time "
@@ -47,13 +47,14 @@ NCCL_COPY_IN = ("copy-in: NCCL's all_reduce on fxcoalesce's registered window (I
                 "allocates no NCCL windows; under CUDA graphs none can be in the graph's pool)")
 
 
-def lower_pass(gm: GraphModule, *, cfg: Config) -> PassResult:
+def lower_pass(gm: GraphModule, *, cfg: Config, pinned: frozenset = frozenset()
+               ) -> PassResult:
     result = PassResult()
     analysis = analyze(gm)
     decider = Decider.of(analysis, cfg)
     graph = gm.graph
     mode = fake_mode_of(analysis.order)
-    keep = pinned(analysis.scan, cfg)
+    keep = pinned_blocks(analysis.scan, pinned)
     for info in analysis.infos:
         b = info.block
         if b.impl != "nccl":

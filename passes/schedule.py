@@ -24,7 +24,8 @@ from .emit import place
 from .result import PassResult
 
 
-def schedule_pass(gm: GraphModule, *, cfg: Config) -> PassResult:
+def schedule_pass(gm: GraphModule, *, cfg: Config, pinned: frozenset = frozenset()
+                  ) -> PassResult:
     analysis = analyze(gm)
     if not analysis.infos:
         return PassResult()

@@ -41,7 +41,7 @@ from .emit import Emitter
 from .layout import (keep_output_strides, layout_chain, output_strides, refresh_vals, replay,
                      restorable)
 from .result import Bucket, PassResult
-from ..ranks.tag import pinned
+from fxcoalesce.checked import pinned_blocks
 
 aten = torch.ops.aten
 SLICES = {aten.slice.Tensor, aten.select.int}
@@ -64,7 +64,8 @@ def _reaches(node: Node, targets: set[Node]) -> bool:
     return False
 
 
-def slice_pass(gm: GraphModule, *, cfg: Config) -> PassResult:
+def slice_pass(gm: GraphModule, *, cfg: Config, pinned: frozenset = frozenset()
+               ) -> PassResult:
     result = PassResult()
     analysis = analyze(gm)
     graph = gm.graph
@@ -73,7 +74,7 @@ def slice_pass(gm: GraphModule, *, cfg: Config) -> PassResult:
     (out,) = graph.find_nodes(op="output")
     fixed = {leaf for leaf, st in zip(tree_leaves(out.args), strides, strict=True)
              if st is not None and not restorable(tensor_val(leaf).shape, st)}
-    keep = pinned(analysis.scan, cfg)
+    keep = pinned_blocks(analysis.scan, pinned)
     for block in analysis.scan.blocks:
         chain = layout_chain(block.wait, analysis.order)
         users = list(chain.end.users)

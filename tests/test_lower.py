@@ -344,7 +344,7 @@ def test_symm_problem_prepares_each_group_with_its_backend(monkeypatch):
     import torch.distributed as dist
 
     from fxcoalesce import lowering
-    from fxcoalesce.ranks import check as rank_check
+    from fxcoalesce import lowering as rank_check
     from fxcoalesce.kernels import nccl_symm, symm
 
     seen = []

@@ -32,7 +32,7 @@ compile_cache = importlib.import_module("fxcoalesce.compile_cache")
 
 
 
-def boom(gm, *, cfg):
+def boom(gm, *, cfg, pinned=frozenset()):
     raise RuntimeError("boom in bucket")
 
 
@@ -70,7 +70,7 @@ def test_a_rank_that_fell_back_compares_equal_to_one_that_kept_its_program(monke
 def test_a_pass_that_breaks_the_graph_is_named(monkeypatch):
     """The graph is linted after every pass, so the pass that broke it is named, not a later
     one (here: a node whose input is defined after it)."""
-    def breaks(gm, *, cfg):
+    def breaks(gm, *, cfg, pinned=frozenset()):
         from fxcoalesce.passes import PassResult
 
         first = next(n for n in gm.graph.nodes if n.op == "call_function")

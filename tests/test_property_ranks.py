@@ -1,5 +1,5 @@
 """Property: graphs that differ by rank still issue one collective sequence after the passes
-and the ranks' real agreement (``exchange.agree_graph``).
+and the ranks' real agreement (``agreement.agree_graph``).
 
 Hypothesis draws a *program* (ops over a few n x n inputs; all_reduces of two or three
 keys), a *topology* (8 ranks whose two groups span all ranks; or 4 ranks with group "0" of
@@ -19,7 +19,7 @@ dynamo names sizes after the first input that has them).
 
 Each rank's graphs go through ``run_pipeline`` at every step of ``agreement.ladder``, and
 the ranks agree as the backend does: one thread per rank, each with its
-``exchange.RankEnv`` over one ``HashStore``, parts agreed in order with positions = the
+``agreement.RankEnv`` over one ``HashStore``, parts agreed in order with positions = the
 rank's own count of collectives issued so far on each group (by the decided sequences of
 its earlier parts), a short ``agree_timeout_s``. A recompile agrees again through the same
 env: it issues the agreed sequence (``Outcome.step``) or gets ``Outcome.error``: that rank
@@ -74,8 +74,9 @@ import fxcoalesce
 from fxcoalesce.ranks.agreement import ladder
 from fxcoalesce.collectives import (find_comm_blocks, issue_sequence, program_sequence,
                                     sequence_after)
-from fxcoalesce.ranks.exchange import Exchange, Outcome, RankEnv, agree_graph
-from fxcoalesce.graph_compile import tagged
+from fxcoalesce.ranks.agreement import Outcome, RankEnv, agree_graph
+from fxcoalesce.ranks.compile import tagged
+from fxcoalesce.ranks.store import Store as Exchange
 from fxcoalesce.ranks.tag import compatible
 from fxcoalesce.pipeline import copy_graph_module
 from fxcoalesce.lowering import lowered_bytes, symm_groups
@@ -636,7 +637,7 @@ def compile_ranks(p: Program, cfg: fxcoalesce.Config, extras: list[tuple[Extra, 
 def run_graph(p: Program, cfg: fxcoalesce.Config, comp: Compiled, step: int,
               o: Outcome | None) -> GraphModule:
     """A part's build at ``step``, with the run-time tags the backend gives it
-    (``graph_compile.tagged``) where its ranks agreed on it."""
+    (``ranks.compile.tagged``) where its ranks agreed on it."""
     gm = comp.builds[step][0]
     if o is None or not cfg.run_checks:
         return gm

@@ -24,7 +24,7 @@ def _fake(ok, tag, message):
 
 def _cpu(ok, tag, message):
     if not bool(ok.all()):
-        from fxcoalesce.ranks.check import CollectiveMismatchError
+        from fxcoalesce.errors import CollectiveMismatchError
 
         raise CollectiveMismatchError(message)
     return tag.clone()

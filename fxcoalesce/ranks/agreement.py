@@ -1,97 +1,46 @@
-"""Every rank issues one collective sequence, agreed without a collective at compile time.
+"""The agreement at compile time: the protocol and its state machine (the argument is in the
+package docstring; ``store`` holds the keys).
 
-Ranks pair collectives by issue order. A rank sees its own graph only, and what a pass reads
-there (the cost model's compute estimates, the adds ``linearity`` sums through, the slice
-``slice`` reduces, which collective depends on which) can differ between ranks, so the
-rewritten sequences can differ. Ranks also cut one program into graphs differently (a
-``print`` under ``if rank == 0:`` breaks rank 0's graph in two; a value that changes on one
-rank recompiles there only), so a rank cannot know that its peers compile this graph at all.
-
-The protocol (``exchange``), for each graph whose passes could change its sequence:
-
-1. The graph is named by its *program key* ``D``: a digest of the Config and of the graph's
-   own collective sequence in a rank-invariant form (groups by the role they play in the
-   graph, symbolic sizes renamed in order of appearance: :func:`canonical`). The rank
-   publishes, through the default group's c10d store (never a collective), a *proposal*: the
-   sequence its passes would issue at each step of :func:`ladder`, the groups it uses with
-   their members, and where it stands in each group's collective stream (the group's c10d
-   sequence number: how many collectives it has issued there).
-2. A *decision* for ``D`` is an entry in one register per ``D``, extended only by
-   compare-and-set, never changed: ``{"ranks": [...], "step": i}``. Every rank takes the
-   first entry that names it, so every rank named by an entry takes that entry's step, and
-   every later compile of ``D`` (a recompile, a late rank, a cache hit) reads it.
-3. A rank that sees proposals for ``D`` from every rank of its *closure* (the members of its
-   groups, and of its peers' groups, transitively) computes the decision (:func:`decide`:
-   the first step on which they all issue one sequence over all the groups together) and
-   adds it, unless an entry already names one of them. A rank that sees a peer compile
-   another graph at the same place (evidence of another cut), or waits longer than
-   ``Config.agree_timeout_s``, adds ``{"ranks": closure, "step": program order}``.
-4. A rank whose every ladder step issues the program's own sequence publishes and goes on:
-   whatever is decided, it issues that sequence.
-
-Why every interleaving of compiles and runs pairs every collective. Assume only that the
-program issues the same collectives on every rank. (a) Whatever the cut, the program's own
-order pairs: each rank issues the program's collectives in program order. (b) A rewrite is
-run only by the ranks of a decision entry made from complete proposals, which all proposed
-the same ``D``, at the same stream positions, and issue the same sequence at that step over
-all the groups of the graph: the same collectives, in one interleaving, from one point of
-every group's stream (so also no cross-group wait cycle: every rank reaches each collective
-in the same global order). No rank of that closure can take another entry: an entry is only
-added when none already names a rank of it, and an entry made from complete proposals is
-the whole closure. (c) Every other rank of those groups is in the closure. So any two ranks
-that share a group take the same step for ``D``, and a rewritten graph runs only where all
-its peers run the same rewritten graph from the same place. Waits end: each is bounded by
-``agree_timeout_s``, and no rank waits for a peer that waits for it at the same place (they
-see each other's proposal). What no compile-time scheme can make safe is a rank that
-recompiles, with another cut, a stretch of the program the ranks already run rewritten (its
-peers keep running the old graph): that is the run-time half below.
-
-``check_ranks`` turns a difference in what ranks would issue (their rewrites differ, or a
-peer issues another collective at the same place: the program differs) into
-:class:`CollectiveMismatchError` on every rank at the graph's first call; a different cut
-into graphs is not such a difference.
-
-**At run time** (the rest of the job; ``ranks.tag``, ``runtime``). What a rank may assume
-about its peers once the agreement is made, and how each assumption is kept:
-
-- *They stay in one process group.* A compiled graph checks at every call that the default
-  group is the one it agreed in (one attribute read); a group made anew makes it agree
-  again in the new store, offering only what it can run now (``runtime.Guarded``).
-- *They recompile together, or issue the same sequence when they recompile alone.* Two
-  ranks whose graphs are specialized on different values (one reads the step under
-  ``if rank == 0:``) will recompile apart later: :func:`decide` keeps the program's order
-  for them from the start ("guards differ"), and a later graph of that function is not
-  waited for. A function some rank has compiled cut in two ways (a print only some steps
-  reach) is never rewritten ("cut varies"), and the ranks retire its earlier rewritten
-  graphs together, before any runs the new one (``runtime.Guarded``). Where a rank still
-  re-cuts or recompiles a rewritten stretch alone, the tags (``ranks.tag``) make the first
-  pairing with a peer that runs the rewrite fail its check on every rank of the pair,
-  before any value is returned. (A rank whose recompile can still issue the agreed
-  sequence keeps it.) Graphs of the program's own order carry no tag: they pair with eager
-  code, skipped frames and other cuts exactly as plain ``torch.compile``'s graphs do.
-- *They are alive and compiling.* A rank whose process ends leaves ``gone/<rank>`` in the
-  store at exit, and says where it runs (host, pid) when it starts, so a peer waiting for
-  its proposal stops at once; a rank publishes how far it is in each group's stream every
-  half second (``exchange.heartbeat``), so a peer that runs the stretch uncompiled (a frame
-  Dynamo skipped) ends the wait at once; no wait is longer than the shortest timeout of the
-  graph's groups.
-
-Assumed at run time, beyond the program issuing the same collectives on every rank: the
-same ``Config`` on every rank. A rank that Dynamo would run a rewritten function uncompiled
-on (a skipped frame, a partial compile, the recompile limit) votes first (``runtime``).
+    outcome = agree_graph("graph 3", cfg, steps, program, sequences, workspaces,
+                          check_ranks=False)
+    outcome.step          # the ladder step this rank compiles
+    outcome.agreement     # what the report says (how, waited_s, differences)
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
+import math
+import os
 import re
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from ..config import Config
-from .check import Sequence, first_difference, has_peers
+import torch.distributed as dist
 
+from ..config import Config
+from .store import Store
+
+log = logging.getLogger("fxcoalesce")
 DEFAULT_TIMEOUT_S = 120.0
 TIMEOUT_ENV = "FXCOALESCE_AGREE_TIMEOUT"
+RECUT_WAIT_S = 10.0
+"""The longest wait for peers' proposals for a later graph of a function this rank runs
+rewritten: where every rank recompiles (a new shape) they come within compile skew; where this
+rank alone re-cut, they never come (its peers sit in the rewritten graph), and the graph runs
+the program's order, tagged: its first pairing with a peer's rewrite fails on both."""
+POLL_S = (0.002, 0.05)
+FRESH = ("agreed", "fell back")
+"""Entries made from every rank's proposal, read while every rank waits for them."""
 
+Sequence = list[tuple[str | None, str]]
+"""(group name, description) per collective, in issue order (``collectives.issue_sequence``)."""
+
+
+# --- the ladder, and what is compared ---
 
 @dataclass(frozen=True, slots=True)
 class Step:
@@ -99,24 +48,24 @@ class Step:
     config: Config
     without_symm: bool = False
     """A copy of the step before it without symmetric memory: taken only when preparing
-    symmetric memory failed (on every rank alike, a vote) for the step before it."""
+    symmetric memory failed (on every rank alike) for the step before it."""
 
 
 def ladder(cfg: Config) -> list[Step]:
     """The configurations ranks try in turn (each differs from the last), each step that may
     use symmetric memory followed by its copy without it."""
-    from fxcoalesce.passes import program_order, without_compute_choices
+    from ..pipeline import rank_configs
 
+    plain, program = rank_configs(cfg)
     steps: list[Step] = []
-    for label, c in (("as configured", cfg),
-                     ("without the choices that read compute", without_compute_choices(cfg)),
-                     ("in the program's own collective order", program_order(cfg))):
+    for label, c in (("as configured", cfg), ("without the choices that read compute", plain),
+                     ("in the program's own collective order", program)):
         if steps and _same(c, steps[-1].config):
             continue
         steps.append(Step(label, c))
-        plain = replace(c, lower=False)
-        if not _same(plain, c):
-            steps.append(Step(f"{label}, without symmetric memory", plain, without_symm=True))
+        nosymm = replace(c, lower=False)
+        if not _same(nosymm, c):
+            steps.append(Step(f"{label}, without symmetric memory", nosymm, without_symm=True))
     return steps
 
 
@@ -128,26 +77,40 @@ def program_step(steps: list[Step]) -> int:
     return len(steps) - 1
 
 
+def resolve(name: str):
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
+
+def has_peers(sequence: Sequence) -> bool:
+    """Do the sequence's collectives run over a real group of more than one rank?"""
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    for name in sorted({g for g, _ in sequence if g is not None}):
+        try:
+            group = resolve(name)
+        except Exception:  # a name no group here has (hand-built graphs)
+            continue
+        if dist.get_backend(group) != "fake" and group.size() > 1:
+            return True
+    return False
+
+
 def must_compare(program: Sequence, all_reduces: int, cfg: Config, check_ranks: bool) -> bool:
     """Do ranks agree on this graph? A function of the program's own sequence and ``cfg``
     only, so every rank answers alike."""
-    from fxcoalesce.passes import changes_sequence
+    from ..pipeline import changes_sequence
 
     return has_peers(program) and (check_ranks or (all_reduces > 0 and changes_sequence(cfg)))
 
 
 def timeout_s(cfg: Config) -> float:
-    """``cfg.agree_timeout_s``, else ``FXCOALESCE_AGREE_TIMEOUT``, else 120 s; an
-    environment value that is no number of seconds >= 0 is an error (:func:`env_timeout`)."""
-    if cfg.agree_timeout_s is not None:
-        return float(cfg.agree_timeout_s)
-    return env_timeout()
+    """``cfg.agree_timeout_s``, else ``FXCOALESCE_AGREE_TIMEOUT``, else 120 s."""
+    return float(cfg.agree_timeout_s) if cfg.agree_timeout_s is not None else env_timeout()
 
 
 def env_timeout() -> float:
-    import math
-    import os
-
     raw = os.environ.get(TIMEOUT_ENV)
     if raw is None or not raw.strip():
         return DEFAULT_TIMEOUT_S
@@ -162,25 +125,21 @@ def env_timeout() -> float:
     return value
 
 
-# --- a rank-invariant form of a collective sequence ---
-
 _SYMBOL = re.compile(r"\b([suq]\d+)\b")
 _BRACKETS = re.compile(r"\[[^\]]*\]")
 
 
 @dataclass(slots=True)
 class Canon:
-    """Renames one rank's groups by role (order of first use in the program) and its size
-    symbols by order of first appearance: dynamo names a size after the first input that has
-    it, which differs by rank; what a size *is* does not."""
+    """Renames one rank's groups by role (order of first use) and its size symbols by order
+    of first appearance: Dynamo names a size after the first input that has it, which
+    differs by rank; what a size *is* does not."""
 
     roles: dict[str | None, str] = field(default_factory=dict)
     symbols: dict[str, str] = field(default_factory=dict)
 
     def role(self, group: str | None) -> str:
-        if group is None:
-            return "g*"
-        return self.roles.setdefault(group, f"g{len(self.roles)}")
+        return "g*" if group is None else self.roles.setdefault(group, f"g{len(self.roles)}")
 
     def text(self, group: str | None, desc: str) -> str:
         def sizes(m: re.Match) -> str:
@@ -188,44 +147,38 @@ class Canon:
                                                                  f"S{len(self.symbols)}"),
                                m.group(0))
         role = self.role(group)
-        return f"{role}:{_BRACKETS.sub(sizes, _group_arg(desc, group, role))}"
+        head, sep, rest = desc.partition(")")  # the group argument: last of the op's args
+        name, paren, args = head.partition("(")
+        parts = args.split(", ")
+        if group is not None and paren and parts[-1] == group:
+            desc = f"{name}({', '.join([*parts[:-1], role])}{sep}{rest}"
+        return f"{role}:{_BRACKETS.sub(sizes, desc)}"
 
     def sequence(self, seq: Sequence) -> list[str]:
         return [self.text(g, d) for g, d in seq]
 
 
-def _group_arg(desc: str, group: str | None, role: str) -> str:
-    """``desc`` with its group argument (the last one of every collective op's schema that
-    takes a group: ``all_reduce(sum, 3)``) named by the group's role."""
-    head, sep, rest = desc.partition(")")
-    name, paren, args = head.partition("(")
-    parts = args.split(", ")
-    if group is None or not paren or parts[-1] != group:
-        return desc
-    return f"{name}({', '.join([*parts[:-1], role])}{sep}{rest}"
-
-
 def canonical(program: Sequence, *others: Sequence) -> tuple[Canon, list[str], list[list[str]]]:
-    """``program`` and ``others`` in one rank-invariant form: one renaming of the program's
-    groups and symbols for all; a symbol only one of ``others`` has is numbered within it
-    (so what one step introduces never shifts another step's names)."""
+    """``program`` and ``others`` in one rank-invariant form (a symbol only one of ``others``
+    has is numbered within it)."""
     canon = Canon()
     prog = canon.sequence(program)
-    rest = []
-    for seq in others:
-        own = Canon(dict(canon.roles), dict(canon.symbols))
-        rest.append(own.sequence(seq))
-    return canon, prog, rest
+    return canon, prog, [Canon(dict(canon.roles), dict(canon.symbols)).sequence(s)
+                         for s in others]
 
 
-# --- the decision, a pure function of complete proposals ---
-
-def shown_text(text: str, names: list[str]) -> str:
-    """A canonical collective as a person reads it: its groups by name again (``names``:
-    the rank's groups by role)."""
-    body = text.split(":", 1)[1]
-    return re.sub(r"\bg(\d+)\b", lambda m: names[int(m.group(1))]
-                  if int(m.group(1)) < len(names) else m.group(0), body)
+def first_difference(sequences: list[list[str]], ranks: list[int]) -> str | None:
+    """A sentence naming the first place where any rank's sequence differs from the first's."""
+    ref = sequences[0]
+    for seq, rank in zip(sequences[1:], ranks[1:]):
+        if seq == ref:
+            continue
+        i = next((k for k, (a, b) in enumerate(zip(ref, seq)) if a != b), min(len(ref), len(seq)))
+        mine = seq[i] if i < len(seq) else "nothing (its sequence ends)"
+        theirs = ref[i] if i < len(ref) else "nothing (its sequence ends)"
+        return (f"collective #{i}: rank {ranks[0]} issues {theirs}, rank {rank} issues {mine} "
+                f"({len(ref)} vs {len(seq)} collectives in all)")
+    return None
 
 
 def uses_symm(texts: list[str]) -> bool:
@@ -236,31 +189,22 @@ def uses_symm(texts: list[str]) -> bool:
     return any(t.split(":", 1)[1].split("(")[0] in names for t in texts)
 
 
-def decide(proposals: dict[int, dict], steps: list[Step], check_ranks: bool) -> dict:
-    """The decision entry of ranks that all proposed one program key.
+# --- the decision: a pure function of complete proposals ---
 
-    ``proposals[rank]``: ``{"groups": [[name, [members]], ...] (by role), "pos": {name:
-    stream position or None}, "steps": [{"seq": [texts], "ws": bytes}, ...]}``. The entry:
-    ``{"ranks", "step", "ws" (the largest symmetric workspace any rank sized for the step),
-    "nosymm" (the step to take if preparing symmetric memory fails), "why", "differences",
-    "error" (with ``check_ranks``, where the rewrites differ)}``."""
+def decide(proposals: dict[int, dict], steps: list[Step], check_ranks: bool) -> dict:
+    """The decision entry of ranks that all proposed one program key: the first step on which
+    they all issue one sequence over all the groups together, unless they stand at different
+    places, their guards differ or a rank's cut of the function varied (then the program's
+    order). ``proposals[rank]``: ``{"groups": [[name, [members]], ...] (by role), "pos":
+    {name: stream position}, "guards", "varied", "steps": [{"seq", "ws"}, ...]}``."""
     ranks = sorted(proposals)
     entry: dict = {"ranks": ranks, "differences": []}
     last = program_step(steps)
-    why = _misplaced(proposals)
-    if why:
-        return {**entry, "step": last, "ws": 0, "nosymm": last, "how": "cut differently",
-                "why": why}
-    why = _guarded_apart(proposals)
-    if why:
-        return {**entry, "step": last, "ws": 0, "nosymm": last, "how": "guards differ",
-                "why": why}
-    varied = sorted({(r, p["varied"]) for r, p in proposals.items() if p.get("varied")})
-    if varied:
-        r, fn = varied[0]
-        return {**entry, "step": last, "ws": 0, "nosymm": last, "how": "cut varies",
-                "why": f"rank {r} compiled {fn} cut into graphs in two ways (a graph break "
-                       "that only some calls reach): a rank may re-cut it alone later"}
+    for how, why in (("cut differently", _misplaced(proposals)),
+                     ("guards differ", _guarded_apart(proposals)),
+                     ("cut varies", _varied(proposals))):
+        if why:
+            return {**entry, "step": last, "ws": 0, "nosymm": last, "how": how, "why": why}
 
     def agreed(i: int) -> bool:
         return all(proposals[r]["steps"][i]["seq"] == proposals[ranks[0]]["steps"][i]["seq"]
@@ -281,20 +225,23 @@ def decide(proposals: dict[int, dict], steps: list[Step], check_ranks: bool) -> 
                 out["error"] = entry["differences"][0]
             return out
         texts = [proposals[r]["steps"][i]["seq"] for r in ranks]
-        shown = [[shown_text(t, [n for n, _ in proposals[r]["groups"]]) for t in seq]
+        shown = [[_shown(t, [n for n, _ in proposals[r]["groups"]]) for t in seq]
                  for r, seq in zip(ranks, texts)]
         found = first_difference(shown, ranks) or first_difference(texts, ranks)
         entry["differences"].append(f"{step.label}: {found}")
-    # the program key is equal, so the program's own sequences are: unreachable in practice
     return {**entry, "step": last, "ws": 0, "nosymm": last, "how": "fell back",
             "why": "no step agreed"}
 
 
+def _shown(text: str, names: list[str]) -> str:
+    """A canonical collective with its groups named again (``names``: by role)."""
+    return re.sub(r"\bg(\d+)\b", lambda m: names[int(m.group(1))]
+                  if int(m.group(1)) < len(names) else m.group(0), text.split(":", 1)[1])
+
+
 def _guarded_apart(proposals: dict[int, dict]) -> str | None:
-    """Why a later call may recompile this graph on some ranks only: a value one rank's
-    graph is specialized on and another's is not (read under ``if rank == 0:``), or None.
-    A rewrite agreed now would then meet, on the peers that keep it, a rank that runs the
-    program differently cut or computed; the program's own order pairs whatever it runs."""
+    """A guard one rank's graph has and another's lacks (a value read under ``if rank ==
+    0:``): that rank alone recompiles when the value changes."""
     ranks = sorted(proposals)
     sets = {r: set(proposals[r].get("guards", ())) for r in ranks}
     for r in ranks[1:]:
@@ -306,9 +253,17 @@ def _guarded_apart(proposals: dict[int, dict]) -> str | None:
     return None
 
 
+def _varied(proposals: dict[int, dict]) -> str | None:
+    varied = sorted({(r, p["varied"]) for r, p in proposals.items() if p.get("varied")})
+    if not varied:
+        return None
+    r, fn = varied[0]
+    return (f"rank {r} compiled {fn} cut into graphs in two ways (a graph break that only "
+            "some calls reach): a rank may re-cut it alone later")
+
+
 def _misplaced(proposals: dict[int, dict]) -> str | None:
-    """Why ranks with one program key are not at one place of the program (a group playing
-    different roles, or reached at different points of its stream), or None."""
+    """Why ranks with one program key are not at one place of the program, or None."""
     role: dict[str, int] = {}
     pos: dict[str, int] = {}
     for r in sorted(proposals):
@@ -325,27 +280,19 @@ def _misplaced(proposals: dict[int, dict]) -> str | None:
 
 @dataclass(slots=True)
 class Agreement:
-    """How the ranks agreed on one graph (``Report.agreement``)."""
+    """How the ranks agreed on one graph (``Report.agreement``). ``how``: "agreed", "fell
+    back" (an earlier step differed), "cut differently", "timed out",
+    "peer gone", "guards differ", "cut varies", "runs uncompiled" (a peer runs this stretch
+    uncompiled), "busy" (a peer waits for this rank on another graph: two threads),
+    "decided before", "no wait" (every step issues the program's own sequence), ""."""
 
     compared: bool = False
     step: str = "as configured"
     how: str = ""
-    """"agreed" (every rank of the closure proposed, the first step agreed), "fell back"
-    (an earlier step differed), "cut differently" (a peer compiles another graph here),
-    "program differs" (a peer issues another collective here), "timed out", "peer gone" (a
-    peer's process ended before it compiled this graph), "guards differ" (a rank's graph is
-    specialized on a value its peers' are not: it would recompile alone), "cut varies" (a
-    rank compiled this function cut in two ways: it may again, alone), "runs uncompiled" (a
-    peer issued collectives here without compiling the graph), "decided before"
-    (a recompile read the decision), "no wait" (every step issues the program's own sequence
-    here, so any decision does), "" (not compared)."""
     differences: list[str] = field(default_factory=list)
-    """The difference each rejected step had, first to last."""
     waited_s: float = 0.0
     ranks: list[int] = field(default_factory=list)
     why: str = ""
-    """Why the ranks fell back to the program's own order (a peer's other cut, with where
-    it cut its graph when known; who never compiled; ...), "" where they did not."""
     checks: list[str] = field(default_factory=list)
     """The run-time tags the graph carries (``ranks.tag``), one line each."""
 
@@ -353,3 +300,527 @@ class Agreement:
         return {"compared": self.compared, "step": self.step, "how": self.how,
                 "why": self.why, "differences": self.differences,
                 "waited_s": round(self.waited_s, 3), "ranks": self.ranks, "checks": self.checks}
+
+
+# --- this process's state ---
+
+@dataclass(slots=True)
+class _Local:
+    """What this process knows of one program key: the round of agreement, and the sequence
+    it issues for the key's graphs (None: not committed)."""
+
+    round: int = 1
+    active: str | None = None
+    entry: dict | None = None
+    rewritten: bool = False
+
+
+@dataclass(slots=True)
+class RankEnv:
+    """What the agreement reads of this rank: its store, its groups' members, stream
+    positions and timeouts, and what it knows (``process_env()`` is the real one; a test
+    makes one per simulated rank over one in-memory store)."""
+
+    exchange: Store
+    members: Callable[[str], list[int]]
+    position: Callable[[str], int | None]
+    timeout: Callable[[str], float | None] = lambda g: None
+    local: dict = field(default_factory=dict)
+    alone: set = field(default_factory=set)
+    """Functions (:func:`family`) a rank recompiles alone ("guards differ"): not waited for."""
+    rewritten: set = field(default_factory=set)
+    """Functions this rank runs a rewritten graph of in this store: later graphs are tagged."""
+    retired: set = field(default_factory=set)
+    """Functions whose rewritten graphs this rank runs in the program's own order for good."""
+    cuts: dict = field(default_factory=dict)
+    """Frame -> the cuts this rank compiled it with (a function cut two ways: :func:`varied`)."""
+
+
+@dataclass(slots=True)
+class Process:
+    """This process's rank state, in one object: the env of the current default group's
+    store, and what outlives a group (Dynamo's compiled graphs do)."""
+
+    env: RankEnv | None = None
+    store_id: int = 0
+    stores: list = field(default_factory=list)
+    """Stores used, kept alive (a freed store's id could come back)."""
+    retired: set = field(default_factory=set)
+    cuts: dict = field(default_factory=dict)
+    max_id: int = 0
+
+
+PROCESS = Process()
+
+
+def process_env() -> RankEnv:
+    """The env of this process's default process group (its store, its groups)."""
+    store = dist.distributed_c10d._get_default_store()
+    if PROCESS.env is None or PROCESS.store_id != id(store):
+        ex = Store(store, dist.get_rank())
+        ex.floor = PROCESS.max_id
+        ex.announce()
+        PROCESS.stores.append(store)
+        PROCESS.store_id = id(store)
+        PROCESS.env = RankEnv(ex, members=lambda g: dist.get_process_group_ranks(resolve(g)),
+                              position=lambda g: position(resolve(g)),
+                              timeout=lambda g: group_timeout_s(resolve(g)),
+                              retired=PROCESS.retired, cuts=PROCESS.cuts)
+    return PROCESS.env
+
+
+def announce() -> None:
+    """Say in the default group's store where this rank runs (when a backend is made), so a
+    peer waiting for it can tell at once that its process died before compiling."""
+    try:
+        if dist.is_initialized() and dist.get_backend() != "fake" and dist.get_world_size() > 1:
+            process_env()
+    except Exception:  # a group being torn down: peers fall back to the timeouts
+        return
+
+
+def position(group) -> int | None:
+    """How many collectives this rank has issued on ``group`` (its c10d sequence number)."""
+    try:
+        return int(group._get_sequence_number_for_group())
+    except Exception:  # a backend without one: no position evidence for this group
+        return None
+
+
+def positions() -> dict[str, int]:
+    """This rank's position in every group it has."""
+    out = {}
+    for group in list(dist.distributed_c10d._world.pg_names):
+        at = position(group)
+        if at is not None:
+            out[group.group_name] = at
+    return out
+
+
+def group_timeout_s(group) -> float | None:
+    """A process group's own timeout for a collective, in seconds (None if unknown)."""
+    for device in getattr(group, "_device_types", None) or ["cpu"]:
+        try:
+            return group._get_backend(device).options._timeout.total_seconds()
+        except Exception:  # a backend without options (fake, custom): nothing to bound by
+            continue
+    return None
+
+
+# --- what Dynamo says of the graph being compiled ---
+
+def frame_identity() -> str:
+    """The Python function Dynamo is compiling ("name@file:first line"), "" outside a
+    compile. A graph break's second part is a function of its own."""
+    from torch._guards import TracingContext
+
+    ctx = TracingContext.try_get()
+    code = ctx.traced_code[0] if ctx is not None and getattr(ctx, "traced_code", None) else None
+    return "" if code is None else code_key(code)
+
+
+def code_key(code) -> str:
+    return f"{code.co_name}@{os.path.basename(code.co_filename)}:{code.co_firstlineno}"
+
+
+_RESUME = re.compile(r"^torch_dynamo_resume_in_(.+)_at_\d+$")
+
+
+def family(frame: str) -> str:
+    """The user function a :func:`frame_identity` belongs to ("f@file.py"): a graph break's
+    resume function (``torch_dynamo_resume_in_f_at_12``) belongs to ``f``."""
+    name, _, rest = frame.partition("@")
+    m = _RESUME.match(name)
+    return f"{m.group(1) if m else name}@{rest.rsplit(':', 1)[0]}"
+
+
+def _inside(alone: set) -> str | None:
+    """The function of ``alone`` that a frame on this thread's stack runs, if any: a graph
+    compiled inside a call of it is as likely to be compiled on this rank alone."""
+    import sys
+
+    f = sys._getframe(1)
+    while f is not None:
+        fam = family(code_key(f.f_code))
+        if fam in alone:
+            return fam
+        f = f.f_back
+    return None
+
+
+def cut_at() -> str | None:
+    """Where the graph Dynamo is compiling was cut ("file:line: code (why)"), or None."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        reason = InstructionTranslator.current_tx().output.compile_subgraph_reason
+    except Exception:  # not inside Dynamo, or another torch's layout: nothing known
+        return None
+    if reason is None or not getattr(reason, "graph_break", False) or not reason.user_stack:
+        return None
+    frame = reason.user_stack[-1]
+    why = str(reason.reason).strip().splitlines()[0] if reason.reason else "a graph break"
+    return f"{os.path.basename(frame.filename)}:{frame.lineno}: {(frame.line or '').strip()} ({why})"
+
+
+VALUE_GUARDS = ("CONSTANT_MATCH", "EQUALS_MATCH")
+_COUNTED = re.compile(r"___\d+")
+TORCH_OWN = re.compile(r"\bG\['(torch'|__import_torch(_dot_|'))")
+"""Guards on torch's own modules: process-wide settings, alike on every rank."""
+
+
+def guard_keys() -> list[str]:
+    """What the graph Dynamo is compiling is specialized on, by name, every kind that a later
+    call can change on one rank alone: value guards ("EQUALS_MATCH L['flag']") and the shape
+    env's guards on sizes and SymInts, their symbols named by source
+    ("Ne(Mod(L['step'] + 1, 5), 0)"). A tensor's own metadata guard is left out: a tensor only
+    one rank reads (a row-parallel bias on rank 0) keeps its shape. [] outside a compile."""
+    from torch._guards import TracingContext
+
+    ctx = TracingContext.try_get()
+    out = set()
+    for g in getattr(getattr(ctx, "guards_context", None), "dynamo_guards", None) or ():
+        try:
+            kind = g.create_fn_name()
+        except Exception:  # a guard without a builder name
+            continue
+        if kind in VALUE_GUARDS and g.name and not TORCH_OWN.search(g.name):
+            out.add(f"{kind} {_COUNTED.sub('___', g.name)}")
+    shape_env = getattr(getattr(ctx, "fake_mode", None), "shape_env", None)
+    if shape_env is not None:
+        names = {}
+        for sym, sources in getattr(shape_env, "var_to_sources", {}).items():
+            if sources:
+                name = sources[0].name
+                names[str(sym)] = name if isinstance(name, str) else name()
+        for guard in getattr(shape_env, "guards", ()):
+            text = re.sub(r"\b[suq]\d+\b", lambda m: names.get(m.group(0), "?"), str(guard.expr))
+            out.add(f"SHAPE {text}")
+    return sorted(out)
+
+
+# --- one rank's agreement on one key ---
+
+@dataclass(slots=True)
+class Outcome:
+    step: int
+    agreement: Agreement
+    key: str = ""
+    fresh: bool = False
+    """Every rank of the decision took part in it just now (collective set-up may run)."""
+    nosymm: int | None = None
+    ws: int = 0
+    error: str | None = None
+    digests: list[str] = field(default_factory=list)
+    tag: int = 0
+    tagged: bool = False
+    """The graph carries the tag: its step is rewritten, or a rank of the decision runs a
+    rewritten graph of its function (a re-cut or recompile of one)."""
+
+
+def _digest(texts: list[str]) -> str:
+    return hashlib.sha256("\n".join(texts).encode()).hexdigest()[:24]
+
+
+def seen(cuts: dict, frame: str, cut: str | None) -> None:
+    if frame:
+        cuts.setdefault(frame, set()).add(cut)
+
+
+def varied(cuts: dict, frame: str) -> str | None:
+    """A frame of ``frame``'s function that this rank compiled cut in two ways, or None."""
+    fam = family(frame) if frame else None
+    return next((f.split("@")[0] for f, how in cuts.items()
+                 if fam is not None and family(f) == fam and len(how) > 1), None)
+
+
+def _issuing(digests: list[str], active: str, preferred: int | None) -> int | None:
+    if preferred is not None and preferred < len(digests) and digests[preferred] == active:
+        return preferred
+    return next((i for i, dg in enumerate(digests) if dg == active), None)
+
+
+def agree_graph(name: str, cfg: Config, steps: list[Step], program: Sequence,
+                sequences: list[Sequence], workspaces: list[int], *, check_ranks: bool,
+                frame: str = "", cut: str | None = None, guards: list[str] | None = None,
+                env: RankEnv | None = None) -> Outcome:
+    """Agree with the ranks sharing this graph's groups on which of ``steps`` to compile.
+    ``sequences[i]`` / ``workspaces[i]``: what step i issues here and the symmetric workspace
+    it sizes; ``frame`` (:func:`frame_identity`), ``cut`` (:func:`cut_at`) and ``guards``
+    (:func:`guard_keys`) go into the proposal."""
+    env = env or process_env()
+    ex = env.exchange
+    seen(env.cuts, frame, cut)
+    fam = family(frame) if frame else ""
+    marked = bool(fam) and fam in env.rewritten
+    canon, prog, texts = canonical(program, *sequences)
+    groups = [g for g in canon.roles if g is not None]
+    members = {g: env.members(g) for g in groups}
+    sizes = [f"{canon.role(g)}={len(members[g])}" for g in groups]
+    config_key = repr(replace(cfg, dump_dir=None, dump_passes=False, strict=False))
+    d = hashlib.sha256("\n".join([config_key, frame, *sizes, *prog]).encode()).hexdigest()[:32]
+    digests = [_digest(t) for t in texts]
+    evident = all(t == prog for t in texts)
+    mine = env.local.get(d)
+    if mine is not None and mine.active is not None:
+        # a later graph of the key: it issues what this rank committed to, else a new round
+        step = _issuing(digests, mine.active, mine.entry.get("active_step"))
+        if step is not None:
+            agreement = Agreement(compared=True, step=steps[step].label, how="decided before",
+                                  ranks=list(mine.entry["ranks"]))
+            return Outcome(step, agreement, key=d, digests=digests,
+                           ws=mine.entry.get("ws", 0), nosymm=mine.entry.get("nosymm"),
+                           tag=mine.entry.get("id", 0), tagged=mine.entry.get("tagged", False))
+    committed = mine is not None and mine.rewritten
+    if mine is None:
+        mine = env.local[d] = _Local()
+    elif not (mine.active is None and evident and not check_ranks):
+        mine.round += 1
+    key = d if mine.round == 1 else f"{d}.{mine.round}"
+    run = _Run(name, cfg, env, key, steps, program, canon, check_ranks)
+    run.cut, run.family, run.marked = cut, fam or None, marked or committed
+    run.inside = _inside(env.alone) if env.alone else None
+    run.proposal = ex.propose(key, {
+        "groups": [[g, members[g]] for g in groups],
+        "pos": {g: env.position(g) for g in groups}, "guards": guards or [],
+        "marked": marked, "varied": varied(env.cuts, frame),
+        "steps": [{"seq": t, "ws": w} for t, w in zip(texts, workspaces)]})
+    ex.note({"d": key, "pos": run.proposal["pos"], "cut": cut})
+    if evident and not check_ranks and not committed and not marked:
+        # every step issues the program's sequence here: so does any decision
+        run.noted(texts[0])
+        return Outcome(0, Agreement(compared=True, step=steps[-1].label, how="no wait",
+                                    ranks=[ex.rank]), key=d, digests=digests)
+    entry, how, waited = run.wait()
+    if how == "cut varies" and fam:  # every rank of the closure is here: retire together
+        env.retired.add(fam)
+        env.rewritten.discard(fam)
+    agreement = Agreement(compared=True, step=steps[entry["step"]].label, how=how,
+                          differences=list(entry.get("differences", [])), waited_s=waited,
+                          ranks=list(entry["ranks"]), why=entry.get("why", ""))
+    out = Outcome(entry["step"], agreement, key=d, fresh=how in FRESH,
+                  nosymm=entry.get("nosymm"), ws=entry.get("ws", 0), error=entry.get("error"),
+                  digests=digests, tag=entry.get("id", 0), tagged=entry.get("tagged", False))
+    PROCESS.max_id = max(PROCESS.max_id, out.tag)
+    if committed and how not in FRESH and out.error is None:
+        _changed(out, cfg, name, agreement.step)  # the peers issue the old rewrite
+    mine.entry, mine.active = {**entry, "active_step": entry["step"]}, entry["digest"]
+    mine.rewritten = entry["digest"] != _digest(prog)
+    if out.error is None and digests[out.step] != mine.active:
+        step = _issuing(digests, mine.active, None)
+        if step is None:
+            _changed(out, cfg, name, agreement.step)
+        else:
+            out.step, out.fresh = step, False
+    mine.entry["active_step"] = out.step
+    if fam and digests[out.step] != digests[-1]:
+        env.rewritten.add(fam)
+    run.noted(texts[out.step])
+    return out
+
+
+def without_symm(outcome: Outcome, env: RankEnv | None = None) -> Outcome:
+    """``outcome`` moved to its step without symmetric memory (preparing it failed, on every
+    rank alike): this process issues that step's sequence for the key from now on."""
+    step = outcome.nosymm if outcome.nosymm is not None else len(outcome.digests) - 1
+    mine = (env or process_env()).local[outcome.key]
+    mine.active, mine.entry["active_step"] = outcome.digests[step], step
+    return replace(outcome, step=step, fresh=False)
+
+
+_CHANGED = ("this rank compiled again a graph that the ranks agreed to run rewritten ({step}), "
+            "its passes no longer issue the agreed collectives there, and its peers did not "
+            "compile it again (its compute changed on this rank only): the ranks could not "
+            "pair them. Compile such a program with Config(passes=('schedule',)) or plain "
+            "torch.compile")
+
+
+def _changed(out: Outcome, cfg: Config, name: str, step: str) -> None:
+    """This rank can no longer issue what its peers agreed to run. With run-time checks it
+    runs the program's own order, whose tags make the first pairing with a peer that still
+    runs the rewrite raise on every rank of it; without, it raises at the graph's first call."""
+    if not cfg.run_checks:
+        out.error = _CHANGED.format(step=step)
+        return
+    log.warning("fxcoalesce[%s]: %s; it runs the program's own order, and if its peers still "
+                "run the rewrite, the first such collective raises CollectiveMismatchError",
+                name, _CHANGED.format(step=step).split(": the ranks")[0])
+    out.step, out.fresh = len(out.digests) - 1, False
+
+
+class _Run:
+    """One rank's agreement on program key ``d``: propose, then wait for a decision, adding
+    one when the proposals are complete or the evidence says the peers will not come."""
+
+    def __init__(self, name, cfg, env, d, steps, program, canon, check_ranks):
+        self.name, self.cfg, self.d, self.steps = name, cfg, d, steps
+        self.env, self.ex = env, env.exchange
+        self.program, self.canon, self.check_ranks = program, canon, check_ranks
+        self.rank, self.proposal, self.cut, self.family = self.ex.rank, {}, None, None
+        self.inside: str | None = None
+        self.marked = False
+        self.proposals: dict[int, dict] = {}
+
+    def _entry_of(self, entries: list[dict]) -> dict | None:
+        return next((e for e in entries if self.rank in e["ranks"]), None)
+
+    def wait(self) -> tuple[dict, str, float]:
+        """(the decision entry naming this rank, how it was reached, seconds waited)."""
+        t0, pause = time.monotonic(), POLL_S[0]
+        limit, bound = self._limit()
+        proposals = self.proposals = {self.rank: self.proposal}
+        said: list[int] | None = None
+        try:
+            while True:
+                entry = self._entry_of(self.ex.entries(self.d))
+                if entry is None:
+                    for r in sorted(_closure(proposals) - set(proposals)):
+                        if (p := self.ex.proposal(self.d, r)) is not None:
+                            proposals[r] = p
+                    closure = _closure(proposals)
+                    missing = sorted(closure - set(proposals))
+                    if missing != said:
+                        self.ex.waits(self.d, missing)
+                        said = missing
+                    entry = self._step(closure, missing, time.monotonic() - t0, limit, bound)
+                if entry is not None:
+                    if entry["how"] == "guards differ" and self.family:
+                        self.env.alone.add(self.family)
+                    self._warn(entry)
+                    return entry, entry["how"], time.monotonic() - t0
+                time.sleep(pause)
+                pause = min(POLL_S[1], pause * 2)
+        finally:
+            if said is not None:
+                self.ex.waits(None)
+
+    def _step(self, closure, missing, waited, limit, bound) -> dict | None:
+        """The entry to add now, if any: the decision, or the program's order for a reason."""
+        if not missing:
+            return self._add(decide({r: self.proposals[r] for r in closure}, self.steps,
+                                    self.check_ranks))
+        if (alone := self.family if self.family in self.env.alone else self.inside):
+            why = (f"{alone.split('@')[0]} recompiles on some ranks alone (its graphs are "
+                   "specialized on a value its peers' are not)")
+            return self._fallback(closure, "guards differ", why)
+        if gone := [r for r in missing if self.ex.gone(r) is not None]:
+            return self._fallback(closure, "peer gone", f"rank(s) {gone} ended before "
+                                                        "compiling this graph")
+        found = self._evidence(closure) or self._uncompiled(missing) or self._busy(missing)
+        if found:
+            return self._fallback(closure, *found)
+        if waited > limit:
+            why = (f"waited {limit:g} s ({bound}) for rank(s) {missing} to compile this graph; "
+                   "they did not (they never reach it, cut the program into other graphs, or "
+                   "are slow)")
+            return self._fallback(closure, "timed out", why)
+        return None
+
+    def _limit(self) -> tuple[float, str]:
+        """(the longest wait, what sets it): ``agree_timeout_s``, :data:`RECUT_WAIT_S` for a
+        later graph of a function this rank runs rewritten, or half the shortest timeout of
+        the graph's groups where that is shorter."""
+        limit, bound = timeout_s(self.cfg), "agree_timeout_s"
+        if self.marked and RECUT_WAIT_S < limit:
+            limit, bound = RECUT_WAIT_S, "a later graph of a function this rank runs rewritten"
+        for g in self.proposal["pos"]:
+            t = self.env.timeout(g)
+            if t is not None and t / 2 < limit:  # a peer already in a collective outlives it
+                limit, bound = t / 2, f"half the timeout of group {g}"
+        return limit, bound
+
+    def _warn(self, entry: dict) -> None:
+        how = entry["how"]
+        if how == "busy":
+            log.info("fxcoalesce[%s]: %s: every rank runs this graph in the program's own "
+                     "collective order", self.name, entry["why"])
+        elif how in ("timed out", "cut differently", "peer gone", "guards differ", "cut varies",
+                     "runs uncompiled"):
+            log.warning("fxcoalesce[%s]: %s: every rank runs this graph in the program's own "
+                        "collective order (Config.agree_timeout_s or %s sets the wait)",
+                        self.name, entry["why"], TIMEOUT_ENV)
+        elif how == "fell back":
+            log.warning("fxcoalesce[%s]: ranks would issue different collectives (%s); all "
+                        "ranks compile it %s", self.name, "; ".join(entry["differences"]),
+                        self.steps[entry["step"]].label)
+
+    def _add(self, entry: dict) -> dict:
+        seqs = self.proposal["steps"]
+        digest = _digest(seqs[entry["step"]]["seq"])
+        marked = any(p.get("marked") for p in self.proposals.values()) or self.marked
+        entry = {**entry, "digest": digest, "id": self.ex.new_id(),
+                 "tagged": self.cfg.run_checks and entry["how"] != "cut varies" and (
+                     marked or digest != _digest(seqs[-1]["seq"]))}
+        return self._entry_of(self.ex.add(self.d, entry)) or entry
+
+    def _fallback(self, closure: set[int], how: str, why: str) -> dict:
+        """The program's own order for ``closure``: right however each rank cuts the program."""
+        last = program_step(self.steps)
+        return self._add({"ranks": sorted(closure), "step": last, "nosymm": last, "ws": 0,
+                          "how": how, "why": why, "differences": []})
+
+    def _uncompiled(self, missing: list[int]) -> tuple[str, str] | None:
+        """A missing peer runs this function uncompiled from at or before where this graph
+        starts (Dynamo skipped it there: its note, ``hooks``)."""
+        pos = self.proposal["pos"]
+        for q in missing:
+            for s in self.ex.skips(q):
+                if s["fam"] == self.family and all(
+                        s["pos"].get(g, -1) <= at for g, at in pos.items() if at is not None):
+                    return "runs uncompiled", (
+                        f"rank {q} runs {s['fam'].split('@')[0]} uncompiled (Dynamo skipped "
+                        "it there)")
+        return None
+
+    def _busy(self, missing: list[int]) -> tuple[str, str] | None:
+        """A missing peer waits on another key for this rank's proposal, which this rank
+        cannot give while it waits here (two threads, each with its own group, reached their
+        graphs in other orders on two ranks: Dynamo's compile lock holds the other). The
+        rank waiting on the smaller key gives way; the other goes on waiting, and gets it."""
+        for q in missing:
+            d, theirs = self.ex.waiting(q)
+            if d is not None and self.d < d and self.rank in theirs and (
+                    self.ex.proposal(d, self.rank) is None):
+                return "busy", (f"rank {q} waits for this rank's proposal for another graph "
+                                "(another thread of this rank compiles it next)")
+        return None
+
+    def _evidence(self, closure: set[int]) -> tuple[str, str] | None:
+        """A peer's own graphs show it will not compile this one here: one of them starts
+        where this one does, or covers where it starts (it cut the program otherwise)."""
+        pos = self.proposal["pos"]
+        for q in sorted(closure - {self.rank}):
+            for line in _folded(self.ex.notes(q)):
+                for g, at in pos.items():
+                    theirs, issued = line["pos"].get(g), line.get("m", {}).get(g)
+                    if line["d"] == self.d or at is None or theirs is None or not (
+                            theirs == at or issued and theirs < at < theirs + issued):
+                        continue
+                    where = (f": it cut its graph at {line['cut']}" if line.get("cut") else
+                             f": this rank cut its graph at {self.cut}" if self.cut else "")
+                    return "cut differently", (f"rank {q} runs collective {at} of group {g} "
+                                               f"in another graph{where}")
+        return None
+
+    def noted(self, texts: list[str]) -> None:
+        """Note how many collectives this graph issues on each group (peers' evidence)."""
+        counts: dict[str, int] = {}
+        for t in texts:
+            role = t.split(":", 1)[0]
+            counts[role] = counts.get(role, 0) + 1
+        m = {g: counts.get(self.canon.role(g), 0) for g in self.proposal["pos"]}
+        self.ex.note({"d": self.d, "pos": self.proposal["pos"], "m": m})
+
+
+def _closure(proposals: dict[int, dict]) -> set[int]:
+    """Every rank of every group of the known proposals (peers' groups too)."""
+    return {r for p in proposals.values() for _, ranks in p["groups"] for r in ranks}
+
+
+def _folded(lines: list[dict]) -> list[dict]:
+    """A rank's notes, one per graph: the proposal's line with its decided counts."""
+    out: dict[tuple, dict] = {}
+    for line in lines:
+        key = (line["d"], json.dumps(line["pos"], sort_keys=True))
+        out.setdefault(key, {}).update(line)
+    return list(out.values())

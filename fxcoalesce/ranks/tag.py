@@ -1,9 +1,4 @@
-"""Run-time proof that peers run the same graph: a tag at the end of an all_reduce.
-
-The agreement (``agreement``) covers compiles; a rank can re-cut or recompile an agreed,
-rewritten graph later, alone, while its peers keep running the rewrite. Then, at run time,
-ranks' collectives pair with different ones: silently wrong values when the sizes match, a
-transport abort when they do not. A tag makes such a pairing loud on every rank:
+"""The check on the wire: a tag at the end of a rewritten graph's first all_reduce per group.
 
     before                                   after (tag id i, K = TAG_BITS)
     %ar = all_reduce(%x, "sum", g)           %cat = cat([reshape(%x, [-1]), bits(i)])
@@ -12,48 +7,12 @@ transport abort when they do not. A tag makes such a pairing loud on every rank:
                                              _assert_async(agree(%w[n:], bits(i)), ...)
                                              %y   = add(view(%w[:n], shape(%x)), %r)
 
-**Which graphs carry tags** (``graph_compile.tagged``): only where a divergence can start.
-A graph that issues the program's own collectives pairs with whatever a peer runs at that
-place (another cut, eager code, a frame Dynamo skipped or gave up recompiling), exactly as
-under plain ``torch.compile``: it carries no tag, unless its function already runs a
-rewritten graph on this rank (then this graph is a re-cut or recompile of a rewritten
-stretch, and the rank knows it: ``exchange.RankEnv.rewritten``). So: every rewritten graph,
-and every graph of a function this rank has rewritten before. Each such graph carries the
-id of the decision it runs (``exchange``: handed out by a counter in the store, so two
-decisions never share one; all ranks that run one decision carry its id).
-
-**Which all_reduces** (:func:`plan`): in each group, the graph's first all_reduce there
-(:func:`checked_firsts`), whose check must pass before the graph issues anything more (the
-next collective reads it), except in a group whose collectives all come after such a check
-in a group holding all its ranks. In a rewritten graph that all_reduce keeps the program's
-first all_reduce of the group (:func:`pinned`: never bucketed, sliced or lowered; a sum
-keeps its size), behind the same collectives (:func:`compatible`).
-
-**Why that is enough** (assuming, as ``agreement`` does, that the program issues the same
-collectives on every rank, and that a rank runs compiled a function it compiled before).
-Take the first point of a group's stream where two ranks issue different collectives. Two
-untagged graphs issue the program's own collectives there, and so do a tagged and an
-untagged one of the same stretch only if neither is rewritten; so one rank starts there a
-tagged graph (rewritten, or a re-cut of a function it rewrote), and the other starts there
-another tagged graph of the same function (its peers ran the rewrite before, so it did too).
-Both first all_reduces are the program's first one there, tag included: same size, the
-transport pairs them, and their ids differ (two graphs, two decisions): every rank of the
-pairing fails its check there, and the next collective of each reads the check. No wrong
-value is returned on any rank.
-
-**The tag**: id ``i`` (1 <= i < 2**K) as K bits ``b``, sent as ``[b, 1 - b]``: 2K elements,
-each 0 or 1. After a sum every pair adds to the number of ranks N, after a mean, max or min
-to 1; every rank checks ``tail == [b, 1 - b] * (pair sums)``, which holds on one rank exactly
-when it holds on all, with every pair sum above 0: when every rank sent the same bits.
-(Two ranks with different bits at position j: the sum is strictly between 0 and N, the
-mean between 0 and 1, the max of the pair 1 and 1, the min 0 and 0, which the pair sum
-above 0 rules out: neither rank's expectation.) No world size is baked in
-(a group made smaller later checks alike), and the values are small integers, exact in every
-dtype that carries a tag (bfloat16 counts exactly to 256 ranks; a mean to 128).
-
-What the tag costs: 2K elements per tagged all_reduce, the copy into the tagged buffer
-where the producer cannot write there itself, and one small kernel for the check
-(``benchmarks/NOTES.md`` has the measured figures); graphs of the program's order: nothing.
+Which all_reduce (``fxcoalesce.checked``): in each group the graph's first, which every pass
+leaves as the program has it; the collective after it waits for the check (a one-element
+gate, :func:`plan`). The tag: id ``i`` as K bits ``b`` sent as ``[b, 1 - b]``; after a sum
+every pair adds to the number of ranks, after a mean, max or min to 1; every rank checks
+``tail == [b, 1 - b] * pair sums`` with every pair sum above 0, which holds on one rank exactly
+when every rank sent the same bits, for any world size, exact in every tagged dtype.
 """
 
 from __future__ import annotations
@@ -64,9 +23,11 @@ import torch
 from torch.fx import GraphModule, Node
 
 import fxcoalesce.kernels  # noqa: F401  (registers fxcoalesce::tag_after)
-from fxcoalesce.collectives import ALL_REDUCE, describe, group_of, is_collective, op_of
+from fxcoalesce.checked import checked_firsts, taggable
+from fxcoalesce.collectives import describe, group_of, is_collective
 from fxcoalesce.graph_order import reorder
 from fxcoalesce.meta import fake_mode_of, tensor_val
+from fxcoalesce.pipeline import emitter
 
 
 aten = torch.ops.aten
@@ -74,25 +35,8 @@ MESSAGE_START = "fxcoalesce: at run time a peer issued another collective"
 """How every check's message starts (``runtime.Guarded`` recognises it)."""
 TAG_BITS = 16
 """Bits of a tag id: 2 * TAG_BITS elements per tagged all_reduce."""
-OPS = ("sum", "avg", "max", "min")
-"""Reduce ops a tag rides on; others (product) are issued untagged (on every rank alike)."""
-DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32,
-          torch.int64)
-MAX_WORLD = 128
-"""The largest group a tag is exact in (bfloat16's mean)."""
 CHECKED = "fxcoalesce_tag"
 """Node meta key on a tagged all_reduce: its tag id."""
-
-
-def taggable(node: Node, world: int) -> bool:
-    """Does this collective carry a tag: a functional all_reduce of a tagged op and dtype?"""
-    val = tensor_val(node.args[0]) if op_of(node) is ALL_REDUCE else None
-    return val is not None and taggable_value(str(node.args[1]), val.dtype, world)
-
-
-def taggable_value(op: str, dtype: torch.dtype, world: int) -> bool:
-    """Is an all_reduce of ``op`` over ``dtype`` on ``world`` ranks tagged?"""
-    return op in OPS and dtype in DTYPES and world <= MAX_WORLD
 
 
 def bits(tag: int) -> list[int]:
@@ -115,85 +59,9 @@ def _pair_sums(tail: torch.Tensor) -> torch.Tensor:
     return torch.cat([half, half])
 
 
-def checked_firsts(collectives: list[Node]) -> dict[str | None, Node]:
-    """The all_reduces that open a rewritten graph's checks, from its collectives in issue
-    order: per group, its first all_reduce that carries a tag (by kind, op and dtype),
-    unless every collective of the group comes after such a first all_reduce of a group
-    holding all its ranks (that check already stops the graph on each of them before it
-    issues anything in the group: a TP group inside the world group, or two groups of the
-    same ranks)."""
-    return _checks(collectives)[0]
-
-
-def _checks(collectives: list[Node]) -> tuple[dict[str | None, Node], set[str | None]]:
-    """:func:`checked_firsts`, and the groups it covers."""
-    firsts: dict[str | None, Node] = {}
-    covered: set[str | None] = set()
-    seen: set[str | None] = set()
-    for n in collectives:
-        group = group_of(n)
-        if group not in seen:
-            seen.add(group)
-            ranks = group_members(group)
-            if ranks is not None and any(
-                    ranks <= (group_members(g) or frozenset()) for g in firsts):
-                covered.add(group)
-        if (group not in covered and group not in firsts and op_of(n) is ALL_REDUCE
-                and _taggable_kind(n)):
-            firsts[group] = n
-    return firsts, covered
-
-
 def first_tagged(gm: GraphModule) -> dict[str | None, Node]:
     """:func:`checked_firsts` of ``gm``'s collectives."""
     return checked_firsts([n for n in gm.graph.nodes if is_collective(n)])
-
-
-def pinned(scan, cfg) -> set:
-    """With run-time checks, the comm blocks of the graph's collectives up to and including
-    each :func:`checked_firsts` all_reduce, in its group, and every block of a group that
-    has none (no tag can guard a rewrite there, say a group of in-place all_reduces: it
-    keeps the program's own collectives). They keep their kind, op, dtype and element count
-    through every pass (a sum keeps them; a bucket, a slice or a lowering does not), so a
-    rewritten graph's first tag in a group pairs with the program's first tag there, behind
-    the same collectives (:func:`compatible`). None in a covered group, a group of one
-    rank, or where the group is unknown (a hand-built graph): no peer, no tag."""
-    if not cfg.run_checks:
-        return set()
-    blocks = {b.collective: b for b in scan.blocks}
-    firsts, covered = _checks(list(scan.sequence))
-    out, done = set(), set()
-    for n in scan.sequence:
-        group = group_of(n)
-        if group in covered or group in done or len(group_members(group) or ()) < 2:
-            continue
-        if n in blocks:
-            out.add(blocks[n])
-        if n is firsts.get(group):
-            done.add(group)
-    return out
-
-
-def group_members(name: str | None) -> frozenset[int] | None:
-    """The global ranks of a group: the process group's, else a simulated one's
-    (``fxcoalesce.testing.simulated_groups``); None when neither is known."""
-    import torch.distributed as dist
-
-    from fxcoalesce.testing import simulated_group_members
-
-    if name is None:
-        return None
-    try:
-        group = dist.distributed_c10d._resolve_process_group(name)
-        return frozenset(dist.get_process_group_ranks(group))
-    except Exception:  # unknown group names (hand-built graphs)
-        ranks = simulated_group_members(name)
-        return None if ranks is None else frozenset(ranks)
-
-
-def _taggable_kind(node: Node) -> bool:
-    """:func:`taggable` for any world size (a group of 2 can carry any tag one of 8 can)."""
-    return taggable(node, 2)
 
 
 def _prefix(gm: GraphModule, first: Node) -> list[str]:
@@ -293,14 +161,6 @@ def message(where: str, tag: int, check: int = 0) -> str:
     return text[:250]
 
 
-def failed_check(error: str) -> int | None:
-    """Which check of a graph (:func:`message`'s ``check``) ``error`` reports, if any."""
-    import re
-
-    m = re.search(r", check (\d+)\): ", error) if MESSAGE_START in error else None
-    return int(m.group(1)) if m else None
-
-
 def _gated(emit, val, check, said: str, width: int, sent=None):
     """``sent`` (zeros of ``width`` by default), made only once ``check`` holds: on CUDA the
     check's assert runs first in stream order (NaN otherwise), on the host a failed check
@@ -324,8 +184,7 @@ def _carry(gm: GraphModule, block, mode, extra) -> tuple[Node, Node]:
     node, wait = block.collective, block.wait
     x = node.args[0]  # as it is now: an earlier tag may have rewired it
     val = tensor_val(x)
-    from ..passes.emit import Emitter  # (passes imports this module)
-    emit = Emitter(gm.graph, before=node, mode=mode)
+    emit = emitter(gm.graph, before=node, mode=mode)
     sent = extra(emit, val)
     numel = val.numel()
     if not isinstance(numel, int):
@@ -335,8 +194,7 @@ def _carry(gm: GraphModule, block, mode, extra) -> tuple[Node, Node]:
     propagate_val(node, mode)
     propagate_val(wait, mode)
     users = list(wait.users)
-    from ..passes.emit import Emitter  # (passes imports this module)
-    emit = Emitter(gm.graph, after=wait, mode=mode)
+    emit = emitter(gm.graph, after=wait, mode=mode)
     tail = emit(aten.slice.Tensor, wait, 0, numel, None)
     data = emit(aten.slice.Tensor, wait, 0, 0, numel)
     shape = [s if isinstance(s, int) else emit(aten.sym_size.int, x, d)
@@ -370,8 +228,7 @@ def _tag_one(gm: GraphModule, block, tag: int, mode, *, after_check, message: st
         return _gated(emit, val, after_check, message, width, sent=made["bits"])
 
     _, tail = _carry(gm, block, mode, sent_bits)
-    from ..passes.emit import Emitter  # (passes imports this module)
-    emit = Emitter(gm.graph, after=tail, mode=mode)
+    emit = emitter(gm.graph, after=tail, mode=mode)
     half = emit(aten.add.Tensor, emit(aten.slice.Tensor, tail, 0, 0, TAG_BITS),
                 emit(aten.slice.Tensor, tail, 0, TAG_BITS, None))
     want = emit(aten.mul.Tensor, made["bits"], emit(aten.cat.default, [half, half]))

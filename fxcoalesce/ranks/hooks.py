@@ -1,0 +1,311 @@
+"""The hooks that hear Dynamo: a frame it runs uncompiled on this rank (a skip at a recompile,
+the recompile limit, a compile that failed, a graph break it cannot resume from).
+
+Two things follow, both in this rank's own thread and nothing else:
+
+- *A note in the store* (``store.skipped``): a peer waiting for this rank's proposal for a
+  graph of that function stops waiting at once ("runs uncompiled", ``agreement``).
+- *Where this rank runs a rewritten graph of that function* (its peers may run it there now),
+  the uncompiled call is watched until it returns (:class:`Uncompiled`): its collectives are
+  seen as the function issues them, and the one where a tag goes in a rewritten graph
+  (``fxcoalesce.checked.Firsts``) carries :data:`~.store.RESERVED_ID` instead. Where every
+  peer runs the call uncompiled too, they all sent it: the check holds, the function's
+  rewritten graphs retire on every rank of the pairing, and the call goes on, right, as under
+  plain. Where a peer runs the rewritten graph, both checks fail: this rank raises
+  ``CollectiveMismatchError`` there and the peer fails its own check. Nothing happens before
+  that collective: a user's exception raised earlier reaches the user unchanged, and a call
+  that issues no collective is no event.
+
+The collectives are seen through the functional collectives' op packets and ``dist``'s own
+functions, replaced for the length of that call only and for this thread only (a dispatch
+mode would make Dynamo skip every frame it meets meanwhile, for good).
+"""
+
+from __future__ import annotations
+
+import _thread
+import logging
+import sys
+
+import torch
+import torch.distributed as dist
+
+from ..checked import Firsts, taggable_value
+from ..errors import CollectiveMismatchError
+from ..meta import is_torch_file
+from .agreement import PROCESS, code_key, family, positions
+from .store import RESERVED_ID
+from .tag import TAG_BITS, agrees, bits
+
+log = logging.getLogger("fxcoalesce")
+SKIP_HOOK = "auto"
+"""Where to hear Dynamo: ``"auto"``, its ``_handle_skip`` where this torch has one (2.13 on),
+else ``CatchErrorsWrapper.__call__`` (2.11); ``"call"``, the latter always (tests)."""
+_WATCHED: list = []
+IN_GRAPH = _thread._local()
+"""``depth`` > 0 while a compiled graph runs (``runtime.Guarded``): its collectives are the
+graph's own, never watched."""
+FIX = ("Keep the function's graph breaks and recompiles alike on every rank (a print on one "
+       "rank: torch._dynamo.config.reorderable_logging_functions.add(print); a value only one "
+       "rank changes), or compile it with Config(passes=('schedule',)); see "
+       "docs/rank-agreement.md")
+
+
+def watch_dynamo() -> None:
+    """Hear what Dynamo makes of every frame (once per process)."""
+    from ..torch_internals import disabled
+
+    if _WATCHED or not SKIP_HOOK or "skip-hook" in disabled():
+        return
+    from torch._dynamo import convert_frame
+
+    wrapper = getattr(convert_frame, "CatchErrorsWrapper", None)
+    if wrapper is None:  # not this torch's shape: nothing heard
+        return
+    orig = getattr(wrapper, "_handle_skip", None)
+    if orig is not None and SKIP_HOOK == "auto":
+        def _handle_skip(self, result, frame):
+            _listen(result, frame, None)
+            return orig(self, result, frame)
+
+        wrapper._handle_skip = _handle_skip
+        _WATCHED.append(("_handle_skip", orig))
+        return
+    call = wrapper.__call__
+
+    def __call__(self, frame, *args, **kwargs):  # torch 2.11: a skip is a result without code
+        result = call(self, frame, *args, **kwargs)
+        _listen(result, frame, "no compiled code")
+        return result
+
+    wrapper.__call__ = __call__
+    _WATCHED.append(("__call__", call))
+
+
+def _listen(result, frame, uncompiled: str | None) -> None:
+    try:
+        _heard(result, frame, uncompiled)
+    except Exception:  # never break Dynamo: this rank goes on as without the hook
+        log.exception("fxcoalesce: could not look at Dynamo's result for %s",
+                      frame.f_code.co_name)
+
+
+def _heard(result, frame, uncompiled: str | None) -> None:
+    """What Dynamo made of ``frame``: uncompiled (a skip), or compiled only up to a graph
+    break it cannot resume from (``partly``), goes to :func:`runs_uncompiled`."""
+    reason = getattr(result, "skip_reason", None) or uncompiled
+    code = getattr(getattr(result, "guarded_code", None), "code", None)
+    if code is None and reason is not None:
+        runs_uncompiled(frame, str(reason), result)
+    elif code is not None and _runs_original(code, frame.f_code):
+        runs_uncompiled(frame, "compiled only up to a graph break, the rest uncompiled")
+
+
+def runs_uncompiled(frame, reason: str, result=None) -> None:
+    """Dynamo runs ``frame`` uncompiled, this call at least, on this rank. Where this rank
+    runs the function rewritten, for this call only (``result.apply_to_code``: Dynamo would
+    skip the code for good, and its later uncompiled runs would pass unseen): the next call
+    goes through Dynamo again, and runs a compiled graph where its guards pass (a call that
+    raised the user's own exception at a shape its graphs do not have, then good input)."""
+    if ("skipfiles" in reason or is_torch_file(frame.f_code.co_filename)
+            or not dist.is_initialized() or PROCESS.env is None):
+        return
+    try:
+        if dist.get_backend() == "fake" or dist.get_world_size() < 2:
+            return
+        store = dist.distributed_c10d._get_default_store()
+    except Exception:  # a group being torn down: nothing to say
+        return
+    env, fam = PROCESS.env, family(code_key(frame.f_code))
+    if PROCESS.store_id != id(store):
+        return  # nothing of this rank's was agreed in this group yet
+    try:
+        env.exchange.skipped(fam, positions())
+    except Exception:  # the store went with a peer: its collectives fail as plain's would
+        return
+    if fam in env.rewritten and fam not in env.retired:
+        if result is not None and hasattr(result, "apply_to_code"):
+            result.apply_to_code = False
+        Uncompiled(frame, fam, _limit(frame.f_code) or reason).arm()
+
+
+def _limit(code) -> str | None:
+    """"it reached Dynamo's recompile_limit (N)" where ``code`` has that many compiled
+    entries (Dynamo's own reason names no limit), else None."""
+    from torch._dynamo import config, eval_frame
+
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    try:
+        n = len(eval_frame._debug_get_cache_entry_list(code))
+    except Exception:  # another torch's layout: the reason as Dynamo gives it
+        return None
+    limit = getattr(config, name, None)
+    return f"it reached Dynamo's {name} ({limit})" if limit and n >= limit else None
+
+
+_FUNCTIONAL = ("all_reduce", "all_reduce_", "all_gather_into_tensor", "reduce_scatter_tensor",
+               "all_to_all_single", "broadcast", "all_reduce_coalesced",
+               "all_gather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced")
+_C10D = ("all_reduce", "broadcast", "all_gather_into_tensor", "all_gather",
+         "reduce_scatter_tensor", "all_to_all_single", "reduce", "barrier")
+_OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg", dist.ReduceOp.MAX: "max",
+        dist.ReduceOp.MIN: "min"}
+
+
+class _Packet:
+    """An op packet whose calls go to ``handler`` (its overloads, ``.default``, do not)."""
+
+    def __init__(self, orig, handler):
+        self._orig, self._handler = orig, handler
+
+    def __call__(self, *args, **kwargs):
+        return self._handler(self._orig, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._orig, name)
+
+
+class Uncompiled:
+    """One call of a function this rank runs rewritten, that Dynamo runs uncompiled here: its
+    collectives watched until the frame returns (module docstring)."""
+
+    def __init__(self, frame, fam: str, reason: str):
+        self.code, self.fam, self.reason = frame.f_code, fam, reason
+        self.thread = _thread.get_ident()
+        self.firsts = Firsts()
+        self.saved: list = []
+        self.prev = self.live = None
+        caller = sys._getframe(1)  # Dynamo hands over its own frame type: the Python frame
+        while caller is not None and (is_torch_file(caller.f_code.co_filename)  # is the next
+                                      or caller.f_code.co_filename == __file__):  # call of
+            caller = caller.f_back  # the code; the caller's return closes the watch too
+        self.caller = caller
+
+    def arm(self) -> None:
+        ns = torch.ops._c10d_functional
+        for name in _FUNCTIONAL:
+            if hasattr(ns, name):
+                orig = getattr(ns, name)
+                self.saved.append((ns, name, orig))
+                setattr(ns, name, _Packet(orig, self._functional(name)))
+        for mod in (dist, dist.distributed_c10d):
+            for name in _C10D:
+                if hasattr(mod, name):
+                    orig = getattr(mod, name)
+                    self.saved.append((mod, name, orig))
+                    setattr(mod, name, self._c10d(name, orig))
+        self.prev = sys.getprofile()
+        sys.setprofile(self._profile)
+
+    def close(self) -> None:
+        for obj, name, orig in reversed(self.saved):
+            setattr(obj, name, orig)
+        self.saved = []
+        if sys.getprofile() == self._profile:
+            sys.setprofile(self.prev)
+
+    def _profile(self, frame, event, arg) -> None:
+        if self.prev is not None:
+            self.prev(frame, event, arg)
+        if self.live is None and event == "call" and frame.f_code is self.code:
+            self.live = frame
+        elif event == "return" and (frame is self.live or frame is self.caller):
+            self.close()
+
+    def _mine(self) -> bool:
+        return _thread.get_ident() == self.thread and not getattr(IN_GRAPH, "depth", 0)
+
+    def _functional(self, name):
+        def handle(orig, *args, **kwargs):
+            if not self._mine() or not self.saved:
+                return orig(*args, **kwargs)
+            x, group = args[0], args[-1]
+            op = args[1] if name.startswith("all_reduce") and len(args) > 2 else ""
+            if not self._opens(group, name.startswith("all_reduce") and not
+                               name.endswith("coalesced"), op, x, group):
+                return orig(*args, **kwargs)
+            out = torch.ops._c10d_functional.wait_tensor(
+                orig(self._with_tag(x), *args[1:], **kwargs))
+            self._check(out[x.numel():], group)
+            data = out[:x.numel()].view(x.shape)
+            if name == "all_reduce_":
+                return x.copy_(data)
+            return data.clone()
+        return handle
+
+    def _c10d(self, name, orig):
+        def handle(*args, **kwargs):
+            if not self._mine() or not self.saved:
+                return orig(*args, **kwargs)
+            group = kwargs.get("group", args[2] if name == "all_reduce" and len(args) > 2
+                               else None) or dist.group.WORLD
+            gname = group.group_name
+            x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            op = kwargs.get("op", args[1] if len(args) > 1 else dist.ReduceOp.SUM)
+            op = _OPS.get(op, "") if name == "all_reduce" else ""
+            if x is None or not self._opens(gname, name == "all_reduce", op, x, gname):
+                return orig(*args, **kwargs)
+            buf = self._with_tag(x)
+            orig(buf, op=args[1] if len(args) > 1 else kwargs.get("op", dist.ReduceOp.SUM),
+                 group=group)
+            self._check(buf[x.numel():], gname)
+            x.copy_(buf[:x.numel()].view(x.shape))
+            return _Done() if kwargs.get("async_op") else None
+        return handle
+
+    def _opens(self, group: str, is_all_reduce: bool, op: str, x, gname: str) -> bool:
+        world = dist.get_world_size(dist.distributed_c10d._resolve_process_group(gname))
+        return self.firsts.opens(group, is_all_reduce,
+                                 is_all_reduce and taggable_value(op, x.dtype, world), x)
+
+    def _with_tag(self, x):
+        sent = torch.tensor(bits(RESERVED_ID), dtype=x.dtype, device=x.device)
+        return torch.cat([x.reshape(-1), sent])
+
+    def _check(self, tail, group: str) -> None:
+        if agrees(tail, RESERVED_ID):
+            # every rank of the pairing runs it uncompiled here: its rewritten graphs retire
+            env = PROCESS.env
+            env.retired.add(self.fam)
+            env.rewritten.discard(self.fam)
+            self.close()
+            log.warning("fxcoalesce: every rank runs %s uncompiled from here (%s), so each "
+                        "issues the program's own collectives there, and runs its rewritten "
+                        "graphs, where Dynamo still calls them, in that order",
+                        self.fam.split("@")[0], self.reason[:100])
+            return
+        self.close()
+        rank, name = dist.get_rank(), self.fam.split("@")[0]
+        raise CollectiveMismatchError(
+            f"fxcoalesce: rank {rank} runs {name} uncompiled here (Dynamo: {self.reason[:100]}) "
+            f"where the ranks agreed to run it rewritten, and a peer runs the rewritten graph "
+            f"here (group {group}): their collectives cannot pair, and none was returned. "
+            f"{FIX}")
+
+
+class _Done:
+    """The finished work of a watched ``async_op=True`` all_reduce (done synchronously)."""
+
+    def wait(self, *args) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def _runs_original(new, orig) -> bool:
+    """Does ``new``, the code Dynamo made for ``orig``, end by running the rest of ``orig``'s
+    own bytecode (a compile up to a graph break Dynamo cannot resume from)? Read from the
+    instructions the two end with alike (jump targets aside): at least 8, a call among them."""
+    import dis
+
+    def ops(code):
+        return [(i.opname, None if i.opcode in dis.hasjrel or i.opcode in dis.hasjabs
+                 else repr(i.argval)) for i in dis.get_instructions(code)]
+
+    want, have = ops(orig), ops(new)
+    n = 0
+    while n < min(len(want), len(have)) and want[-1 - n] == have[-1 - n]:
+        n += 1
+    return n >= 8 and any(op.startswith("CALL") for op, _ in want[len(want) - n:])
+
