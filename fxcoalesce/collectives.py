@@ -22,7 +22,7 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 
 from .meta import ORIGIN, SLICED, hinted_numel, numel, storage_of, tensor_val, tensor_vals
-from .reduce_ops import reduce_op_name
+from .reduce_ops import left_alone, reduce_op_name
 
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
@@ -220,6 +220,8 @@ def _block_or_reason(node: Node, ordinal: int, order: dict[Node, int], sharing: 
                 "all_reduces share it is unknown")
     if key_group is None:
         return f"group {group!r} is not a group name"
+    if (why := left_alone(op)) is not None:  # a premul_sum's factor: no pass may drop it
+        return why
     users = list(node.users)
     if len(users) != 1 or op_of(users[0]) is not WAIT:
         waits = sum(op_of(u) is WAIT for u in users)
@@ -259,13 +261,14 @@ def find_comm_blocks(graph: Graph) -> CommScan:
         for n in graph.nodes:
             if op_of(n) not in (ALL_REDUCE_, WAIT) and (s := storage_of(n)) is not None:
                 sharing.setdefault(s, []).append(n)
+    off = _rewrites_off()
     for node in graph.nodes:
         if not is_collective(node):
             continue
         ordinal = len(scan.sequence)
         scan.sequence.append(node)
         if is_all_reduce(node):
-            found = _block_or_reason(node, ordinal, order, sharing)
+            found = off or _block_or_reason(node, ordinal, order, sharing)
             if isinstance(found, CommBlock):
                 scan.blocks.append(found)
             else:
@@ -280,6 +283,15 @@ def find_comm_blocks(graph: Graph) -> CommScan:
             scan.unknown.append((node, f"opaque op {node.target} looks like communication; "
                                        "fxcoalesce only rewrites _c10d_functional.all_reduce"))
     return scan
+
+
+def _rewrites_off() -> str | None:
+    """Why no all_reduce may be rewritten on this torch (a canary of an internal the rewrites
+    rely on failed: ``torch_internals``), or None. Every all_reduce is then left alone, and
+    each graph compiles as plain Inductor compiles it."""
+    from .torch_internals import disabled, reason
+
+    return reason("rewrite") if "rewrite" in disabled() else None
 
 
 MESH_GROUP = "_dtensor.mesh_get_process_group.default"

@@ -64,16 +64,43 @@ class KeyedPass(CustomGraphPass):
         self.inner, self.key = inner, key
 
     def __call__(self, graph) -> None:
-        if self.inner is not None:
-            self.inner(graph)
+        for p in self._inner_passes():
+            p(graph)
 
     def uuid(self) -> str | None:
         inner = None
         if self.inner is not None:
-            inner = self.inner.uuid() if isinstance(self.inner, CustomGraphPass) else None
-            if inner is None:
+            uuids = [p.uuid() if isinstance(p, CustomGraphPass) else None
+                     for p in self._inner_passes()]
+            if any(u is None for u in uuids):
                 return None
+            inner = uuids[0] if len(uuids) == 1 and not isinstance(self.inner, (list, tuple)) \
+                else tuple(uuids)
         return None if self.key is None else f"fxcoalesce-{self.key}-{inner}"
+
+    def _inner_passes(self) -> tuple:
+        """The passes ``inner`` holds, less a ``custom_pass_context`` hook where this pass is
+        itself one of the context's (Inductor put it there from the config patch): the
+        context runs its passes itself, this one among them; through the hook again they
+        would run twice, and this pass call itself for ever."""
+        from torch._inductor import custom_graph_pass as cgp
+
+        is_hook = getattr(cgp, "_is_custom_pass_context_wrapper", None)
+        active = getattr(cgp, "get_active_passes", None)
+        passes = _passes(self.inner)
+        if is_hook is None or active is None or not any(is_hook(p) for p in passes):
+            return passes
+        registered = active().post_grad_pre_passes
+        if not any(p is self for p in registered):
+            return passes
+        return tuple(p for p in passes if not is_hook(p))
+
+
+def _passes(custom) -> tuple:
+    """The passes an Inductor custom-pass option holds: none, one, or (torch 2.15) a list."""
+    if custom is None:
+        return ()
+    return tuple(custom) if isinstance(custom, (list, tuple)) else (custom,)
 
 
 def group_setup_key() -> str:
@@ -91,9 +118,12 @@ def compile_key(fingerprint: str, config_repr: str, patches: dict) -> str:
     from .lowering import under_cudagraphs
     from .testing import reference_lowering_active
 
+    from .torch_internals import disabled
+
     text = "|".join([fingerprint, config_repr, group_setup_key(), _describe_patches(patches),
                      f"cudagraphs={under_cudagraphs()}",
-                     f"reference={reference_lowering_active()}"])
+                     f"reference={reference_lowering_active()}",
+                     f"off={','.join(sorted(disabled()))}"])
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
@@ -136,8 +166,16 @@ def _directory() -> Path:
     return Path(cache_dir()) / "fxcoalesce"
 
 
+def _off() -> bool:
+    from .torch_internals import disabled
+
+    return "compile-cache" in disabled()  # this torch moved Inductor's cache_dir
+
+
 def save(key: str, entry: dict) -> None:
     """Write ``entry`` atomically (ranks sharing the directory may write the same key)."""
+    if _off():
+        return
     directory = _directory()
     try:
         directory.mkdir(parents=True, exist_ok=True)
@@ -149,6 +187,8 @@ def save(key: str, entry: dict) -> None:
 
 
 def load(key: str) -> dict | None:
+    if _off():  # no entry: a cache hit compiles again, with AOTAutograd's cache skipped
+        return None
     path = _directory() / f"{key}.json"
     try:
         return json.loads(path.read_text())

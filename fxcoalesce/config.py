@@ -43,6 +43,11 @@ def _fields_named(cls):
 
     @functools.wraps(init)
     def __init__(self, *args, **kwargs):
+        if args:  # Config(False): which field was meant is not for us to guess
+            given = ", ".join(map(repr, args))
+            raise TypeError(f"{cls.__name__}() takes keyword arguments only, e.g. "
+                            f"{cls.__name__}({names[0]}=...), not {cls.__name__}({given}); "
+                            f"its fields: {', '.join(names)}")
         for key in kwargs:
             if key not in names:
                 hint = did_you_mean(key, names) or f"its fields: {', '.join(names)}"

@@ -31,10 +31,60 @@ def reduce_op_name(op) -> str:
     return str(op)
 
 
+PLAIN = ("sum", "avg", "product", "min", "max", "band", "bor", "bxor")
+"""The reduce ops whose name says all they do: a rewrite may re-emit one by its name."""
+SUMMABLE = ("sum", "avg")
+"""The plain reduce ops that commute with a sum (``passes/linearity.py`` merges only these)."""
+
+
+def plain_reduce_op(op) -> str | None:
+    """The name of ``op`` (as :data:`PLAIN` spells it) where its name says all it does, the
+    op identified by its type: a string, a ``dist.ReduceOp.RedOpType`` member, or a
+    ``dist.ReduceOp`` instance wrapping one. None for anything else: ``premul_sum`` in any
+    form (its factor is not in its name: torch 2.15's functional all_reduce takes
+    ``dist.ReduceOp`` objects, pytorch#190942, so a factor can reach a graph, and a pass that
+    re-emitted the op by name would drop it), an op name not in :data:`PLAIN`, an object of
+    another type. A collective with such an op stays as the program wrote it."""
+    if isinstance(op, str):
+        name = op.lower()
+    else:
+        try:
+            import torch.distributed as dist
+        except ImportError:  # no distributed in this build: no enum to read
+            return None
+        if not dist.is_available():
+            return None
+        if not isinstance(op, dist.ReduceOp.RedOpType) and isinstance(op, dist.ReduceOp):
+            op = op.op  # the RedOpType it wraps; PREMUL_SUM's factor stays behind
+        if not isinstance(op, dist.ReduceOp.RedOpType):
+            return None
+        name = op.name.lower()
+    return name if name in PLAIN else None
+
+
+def summable(op) -> bool:
+    """Whether ``op`` is a plain sum or average, identified by type (:func:`plain_reduce_op`)."""
+    return plain_reduce_op(op) in SUMMABLE
+
+
+def left_alone(op) -> str | None:
+    """Why a collective with reduce op ``op`` must stay as it is (None: it may be rewritten)."""
+    if plain_reduce_op(op) is not None:
+        return None
+    name = reduce_op_name(op)
+    what = ("carries a factor its name does not" if name == "premul_sum"
+            else "is not one fxcoalesce knows")
+    return f"reduce op {name} {what}: left as the program wrote it"
+
+
 def reduce_op_breaks() -> list[str]:
     """One warning per graph break Dynamo made at a collective given a ``dist.ReduceOp`` since
     the last call (each break is reported once, by the first graph compiled after it): where
     it is, what it costs, what to write instead."""
+    from .torch_internals import disabled
+
+    if "break-report" in disabled():  # torch moved graph_break_reasons: nothing to read
+        return []
     from torch._dynamo.utils import graph_break_reasons
 
     found = []

@@ -48,8 +48,10 @@ def keep_mutation_renames():
     changes nothing."""
     import contextlib
 
-    if torch_version() >= MUTATION_RENAMES_KEPT_FROM:
-        return contextlib.nullcontext()
+    from .torch_internals import disabled
+
+    if torch_version() >= MUTATION_RENAMES_KEPT_FROM or "mutation-renames-backport" in disabled():
+        return contextlib.nullcontext()  # a failed canary turns the rewrites off with it
     return _kept_mutation_renames()
 
 
@@ -96,7 +98,9 @@ def torch_version() -> tuple[int, int]:
 def comm_reorder_options() -> dict:
     """Inductor's comm reordering passes, as ``torch.compile`` options, where they are right
     (torch 2.14+); {} before."""
-    if torch_version() < COMM_REORDER_RIGHT_FROM:
+    from .torch_internals import disabled
+
+    if torch_version() < COMM_REORDER_RIGHT_FROM or "comm-reorder" in disabled():
         return {}
     return {"reorder_for_compute_comm_overlap": True,
             "reorder_for_compute_comm_overlap_passes": list(COMM_REORDER_PASSES)}

@@ -76,9 +76,9 @@ def test_version_short_option(capsys):
      "--zzz"),
     (["inspect", "neox-tiny"], "fxcoalesce inspect", "fxcoalesce inspect: error: unrecognized "
      "arguments: neox-tiny (did you mean --model neox-tiny?)"),
-    (["inspect", "-v", "--model", "neox-tiny"], "fxcoalesce inspect", "fxcoalesce inspect: "
-     "error: unrecognized arguments: -v (an option of fxcoalesce itself: give it before the "
-     "command, fxcoalesce -v inspect ...)"),
+    (["inspect", "-V", "--model", "neox-tiny"], "fxcoalesce inspect", "fxcoalesce inspect: "
+     "error: unrecognized arguments: -V (an option of fxcoalesce itself: give it before the "
+     "command, fxcoalesce -V inspect ...)"),  # -v and -q are taken after the command too
     # an option of no command, given before the command: the top-level usage
     (["--zzz", "inspect", "--model", "neox-tiny"], "fxcoalesce [-h]",
      "fxcoalesce: error: unrecognized arguments: --zzz"),

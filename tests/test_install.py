@@ -1,5 +1,6 @@
 """The package installs beside the torch a user has: ``pip install -e .`` into a venv that holds
-any torch pyproject.toml admits (2.11 through 2.15) installs fxcoalesce and nothing else.
+any torch pyproject.toml admits (2.11 on: no upper bound; tested 2.11 to 2.15) installs
+fxcoalesce and nothing else.
 
 Run by .ci/run in both of its venvs: torch 2.13.0 (CPU) and the newest release (2.15.0).
 """

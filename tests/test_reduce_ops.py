@@ -82,3 +82,63 @@ def test_the_string_reduce_op_makes_no_such_warning():
     (report,) = fxcoalesce.reports()
     assert report.all_reduce["after"] == 1
     assert not any("ReduceOp" in w for w in report.warnings)
+
+
+PREMUL = torch._C._distributed_c10d._make_nccl_premul_sum
+"""``premul_sum`` with a factor: the all_reduce multiplies each rank's input by it, then sums.
+Torch 2.15's functional all_reduce takes it (its reduce_op is ``Any``, pytorch#190942)."""
+
+
+def test_reduce_ops_are_identified_by_type():
+    from fxcoalesce.reduce_ops import plain_reduce_op, summable
+
+    assert [plain_reduce_op(op) for op in ("sum", "AVG", "max", dist.ReduceOp.SUM,
+                                           dist.ReduceOp(dist.ReduceOp.AVG),
+                                           dist.ReduceOp.MIN)] == \
+        ["sum", "avg", "max", "sum", "avg", "min"]
+    for op in (PREMUL(0.5), dist.ReduceOp.PREMUL_SUM, "premul_sum", "median", 0, None,
+               object()):
+        assert plain_reduce_op(op) is None, op
+    assert [summable(op) for op in ("sum", dist.ReduceOp.AVG, "max", PREMUL(2.0))] == \
+        [True, True, False, False]
+
+
+def premul_graph(op):
+    """Three all_reduces with reduce op ``op``: two summed (what the linearity pass merges),
+    one beside them (what the bucket pass joins). Built node by node: the op cannot be
+    fake-run where the schema takes a string (2.13), nor printed as Python (no GraphModule
+    code: a lazy one, as the pipeline makes)."""
+    from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
+
+    from fxcoalesce.collectives import ALL_REDUCE
+
+    b = GraphBuilder()
+    x, y, w = b.input("x", (4, 8)), b.input("y", (4, 8)), b.input("w", (8, 8))
+
+    def all_reduce(v):
+        node = b.graph.call_function(ALL_REDUCE, (v, op, "0"))
+        node.meta["val"] = v.meta["val"]
+        return b.wait(node)
+
+    b.graph.output((b.add(all_reduce(b.add(x, x)), all_reduce(b.add(y, y))),
+                    all_reduce(b.mm(x, w))))
+    with _use_lazy_graph_module(True):
+        return _make_graph_module(torch.nn.Module(), b.graph)
+
+
+def test_a_premul_sum_with_a_factor_stays_as_it_is():
+    """Regression: the bucket pass joined three premul_sum(0.5) all_reduces into one
+    all_reduce of the string "premul_sum", the factor gone."""
+    from fxcoalesce import Config, run_pipeline
+    from fxcoalesce.collectives import ALL_REDUCE
+
+    op = PREMUL(0.5)
+    cfg = Config(strict=True, run_checks=False)  # a fake group may be up: no first one pinned
+    out, report = run_pipeline(premul_graph(op), cfg)
+    kept = [n for n in out.graph.nodes if n.target is ALL_REDUCE]
+    assert len(kept) == 3 and all(n.args[1] is op for n in kept)
+    assert report.all_reduce["after"] == 3 and report.all_reduce["left_alone"] == 3
+    assert "reduce op premul_sum carries a factor its name does not" in " ".join(report.warnings)
+    # the same graph with "sum": summed and bucketed, 3 -> 1
+    out, report = run_pipeline(premul_graph("sum"), cfg)
+    assert report.all_reduce["after"] == 1

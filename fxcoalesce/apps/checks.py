@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 
 from fxcoalesce.apps.defaults import DEFAULT_PROMPT, MERGE_MODEL, PRETRAINED
+from fxcoalesce.apps.defaults import parameters_text
 from fxcoalesce.apps.defaults import backend_of as _backend
 from fxcoalesce.config import Config
 
@@ -285,7 +286,7 @@ def _fits(name: str, layers: int | None, tp: int, device: str) -> None:
 
     params = models.parameter_count(name, layers)
     whole = params * (2 if device == "cuda" else 4)
-    what = (f"{name}{f' at --layers {layers}' if layers else ''}: {params / 1e9:.2f}B "
+    what = (f"{name}{f' at --layers {layers}' if layers else ''}: {parameters_text(params)} "
             f"parameters, {whole / GiB:.1f} GiB in {'bf16' if device == 'cuda' else 'fp32'}; "
             f"each rank builds the whole model before keeping 1/{tp} of it, so ")
     if device == "cuda":

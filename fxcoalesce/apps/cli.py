@@ -1,4 +1,4 @@
-"""The ``fxcoalesce`` command: inspect, bench, demo, train-draft, calibrate."""
+"""The ``fxcoalesce`` command: inspect, bench, demo, train-draft, calibrate, doctor."""
 
 from __future__ import annotations
 
@@ -171,6 +171,12 @@ def cmd_demo(args) -> int:
     return run_demo(args)
 
 
+def cmd_doctor(args) -> int:
+    from fxcoalesce.apps.doctor import run_doctor
+
+    return run_doctor(args)
+
+
 def version_text() -> str:
     """'fxcoalesce 0.1.0 (torch 2.13.0+cpu, Python 3.11.9)', from the installed packages'
     metadata (torch is not imported)."""
@@ -204,7 +210,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="fxcoalesce", description="Tools of the fxcoalesce torch.compile backend (fewer, "
         "smaller all_reduces for tensor-parallel inference): inspect, bench, demo, "
-        "train-draft, calibrate. 'fxcoalesce COMMAND --help' describes each.")
+        "train-draft, calibrate, doctor. 'fxcoalesce COMMAND --help' describes each.")
     p.add_argument("-V", "--version", action=_Version)
     p.add_argument("-v", "--verbose", action="store_true",
                    help="log each graph's report; show a failed rank's traceback")
@@ -439,9 +445,21 @@ def parser() -> argparse.ArgumentParser:
                         "process-wide symmetric-memory backend)")
     c.add_argument("--out", required=True, help="profile JSON to write")
     c.set_defaults(fn=cmd_calibrate, check=checks.check_calibrate)
+
+    o = sub.add_parser("doctor", help="what this torch gives fxcoalesce: its version beside "
+                                      "the tested range, a canary for each torch internal "
+                                      "fxcoalesce relies on, GPUs, NCCL, symmetric memory, "
+                                      "the cache directories (exit status 1 if a canary fails)")
+    o.set_defaults(fn=cmd_doctor, check=lambda args: None)
     # argparse takes "-5M" for an option unless it looks like a number: let the check say why
     # a negative size is wrong (Python 3.13 already matches it; 3.11 does not)
     c._negative_number_matcher = checks.NEGATIVE_SIZE
+    for command in _commands(p).values():  # -v / -q after the command too (inspect -q ...)
+        command.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                             help="as fxcoalesce -v: log each graph's report; show a failed "
+                                  "rank's traceback")
+        command.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS,
+                             help="as fxcoalesce -q: no progress lines on stderr")
     return p
 
 

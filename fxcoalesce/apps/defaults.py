@@ -1,5 +1,6 @@
 """What the commands take when they are not told: the main job's models and prompt, and the
-process group backend of a run. Plain data and one function, read by ``checks`` (before any
+process group backend of a run, and how a parameter count is written. Plain data and two
+functions, read by ``checks`` (before any
 work) and by ``tour`` (the main job), neither of which imports the other.
 """
 
@@ -19,3 +20,11 @@ def backend_of(args) -> str:
     from fxcoalesce.apps.launch import default_backend
 
     return args.backend or default_backend(args.device, args.tp)
+
+
+def parameters_text(n: int) -> str:
+    """A parameter count as people write it: 1026.41B, 3.78B, 2.1M, 12.3K, 512."""
+    for scale, unit, digits in ((1e9, "B", 2), (1e6, "M", 1), (1e3, "K", 1)):
+        if n >= scale:
+            return f"{n / scale:.{digits}f}{unit}"
+    return str(n)

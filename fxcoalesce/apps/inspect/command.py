@@ -15,6 +15,7 @@ from typing import NoReturn
 from fxcoalesce.config import Config, CostModel
 from fxcoalesce.report import merge_line
 
+from fxcoalesce.apps.defaults import parameters_text
 from fxcoalesce.apps.inspect.check import CheckCost, check_cost
 from fxcoalesce.apps.inspect.compose import Composed, compose, only_picked, plan_layers
 from fxcoalesce.apps.inspect.profiles import predictions, read_as_is
@@ -86,7 +87,7 @@ def trace_composed(args, say: Callable[[str], None]
     title = f"{built.what}  TP={args.tp}"
     config = getattr(built.model, "config", None) if kind == "hf" else None
     plan = None if getattr(args, "all_layers", False) else plan_layers(built.model, config)
-    say(f"  built in {time.perf_counter() - t0:.1f} s ({built.parameters / 1e9:.2f}B "
+    say(f"  built in {time.perf_counter() - t0:.1f} s ({parameters_text(built.parameters)} "
         "parameters, no weights)"
         + (f"; {plan.text().split(', and composed')[0]}" if plan else ""))
     if plan is not None:

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from fxcoalesce.apps.defaults import parameters_text
 from fxcoalesce.apps.inspect.built import Built, first_line, parameter_count
 
 
@@ -181,7 +182,7 @@ def build_factory(spec: str, tp: int, group) -> Built:
         raise ValueError(f"--model {spec}: sharding it with its plan failed: "
                          f"{first_line(e)}") from None
     sharding = ("its plan" if plan else "itself") if tp > 1 else "none (TP 1)"
-    what = (f"{spec}: {call} -> {type(module).__name__}, {params / 1e9:.2f}B parameters, "
+    what = (f"{spec}: {call} -> {type(module).__name__}, {parameters_text(params)} parameters, "
             f"sharded by {sharding}; input {tuple(x.shape)} {str(x.dtype).removeprefix('torch.')}")
     return Built(fn=module.eval(), args=(x,), mode=mode, what=what, parameters=params,
                  model=module)

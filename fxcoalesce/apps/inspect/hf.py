@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from fxcoalesce.apps.defaults import parameters_text
 from fxcoalesce.apps.inspect.built import Built, first_line, parameter_count
 from fxcoalesce.config import did_you_mean
 
@@ -82,7 +83,9 @@ def _config_file(name: str) -> Path | None:
 def _unknown_type(model_type: str, transformers, where: str) -> ValueError:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
-    close = difflib.get_close_matches(model_type, list(CONFIG_MAPPING_NAMES), n=3)
+    # model types only: the mapping also holds a class name or two ("EvollaModel" in 5.25)
+    types = [t for t in CONFIG_MAPPING_NAMES if t == t.lower()]
+    close = difflib.get_close_matches(model_type.replace("-", "_").lower(), types, n=3)
     hint = f"; close: {', '.join(close)}" if close else ""
     return ValueError(f"--hf {where}: transformers {transformers.__version__} knows no model "
                       f"type {model_type!r}{hint}")
@@ -259,6 +262,7 @@ def build_hf(config, tp: int, tokens: int, *, source: str = "") -> Built:
 
     sharding = ("its base_model_tp_plan, as from_pretrained(distributed_config="
                 "DistributedConfig(tp_plan='auto')) does") if tp > 1 else "none (TP 1)"
-    what = (f"{cls.__name__} ({describe(config, source)}): {params / 1e9:.2f}B parameters, "
+    what = (f"{cls.__name__} ({describe(config, source)}): {parameters_text(params)} "
+            "parameters, "
             f"bf16, sharded by {sharding}; forward over {tokens} tokens")
     return Built(fn=logits, args=(ids,), mode=mode, what=what, parameters=params, model=model)
