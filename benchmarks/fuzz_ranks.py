@@ -5,7 +5,12 @@ process per rank; the oracle says ok / loud / failure per program and variant.
     python benchmarks/fuzz_ranks.py --n 500 --jobs 8 --seed-base 1000 \\
         --out benchmarks/results/fuzz_<name>/          # summary.json, summary.md, failures/
     python benchmarks/fuzz_ranks.py --seed 123 --variant fxcoalesce --world 4 -v
+    python benchmarks/fuzz_ranks.py --seed 123 --variant plain -v   # eager and plain only
     python benchmarks/fuzz_ranks.py --replay tests/data/fuzz/123.json -v
+
+The summary counts outcomes per run, per feature (``by_feature``) and per feature class
+(``by_class``: programs, those judged, and per variant its runs, loud outcomes, loud share
+and failures; summary.md's "Loud per feature class" table).
 
 Needs only torch and the stdlib (and this checkout). Exit status 1 if any program failed.
 """
@@ -38,7 +43,9 @@ def _args(argv):
     ap.add_argument("--replay", type=Path, action="append", help="a recorded failure (JSON)")
     ap.add_argument("--jobs", type=int, default=1, help="programs run at once")
     ap.add_argument("--world", type=int, choices=(2, 4), help="default: drawn per seed")
-    ap.add_argument("--variant", choices=("fxcoalesce", "check", "all"), default="all")
+    ap.add_argument("--variant", choices=("fxcoalesce", "check", "all", "plain"),
+                    default="all", help="plain: eager and plain only (does the generator "
+                    "write programs plain torch.compile runs right?)")
     ap.add_argument("--inductor", choices=("auto", "always", "never"), default="auto",
                     help="real Inductor for plain and fxcoalesce (auto: drawn per seed)")
     ap.add_argument("--no-eager", action="store_true", help="skip checking plain against eager")
@@ -116,7 +123,29 @@ def summarize(results: list[dict], args, started: float) -> dict:
             "programs": len(results), "wall_s": round(time.monotonic() - started),
             "counts": {k: dict(v) for k, v in counts.items()},
             "by_feature": {k: dict(v) for k, v in sorted(by_feature.items())},
+            "by_class": by_class(results),
             "failures": failures, "loud": louds, "results": results}
+
+
+def by_class(results: list[dict]) -> dict:
+    """Per feature class (a feature's name before the dot: ``threads``, ``raise``, ``log``...):
+    programs that drew it, those judged (plain ran them right), and per fxcoalesce variant
+    its runs, loud outcomes and failures, with the loud share of its runs in percent."""
+    out = {}
+    for res in results:
+        for cls in sorted({f.split(".")[0] for f in res["features"]}):
+            c = out.setdefault(cls, {"programs": 0, "judged": 0, "variants": {}})
+            c["programs"] += 1
+            c["judged"] += res.get("plain", {}).get("outcome") == "ok"
+            for variant, v in res["variants"].items():
+                n = c["variants"].setdefault(variant, {"runs": 0, "loud": 0, "failed": 0})
+                n["runs"] += 1
+                n["loud"] += v["outcome"] == "loud"
+                n["failed"] += v["outcome"] in oracle.FAILURES
+    for c in out.values():
+        for n in c["variants"].values():
+            n["loud_pct"] = round(100 * n["loud"] / n["runs"], 1)
+    return dict(sorted(out.items()))
 
 
 def markdown(s: dict) -> str:
@@ -131,6 +160,21 @@ def markdown(s: dict) -> str:
     lines += ["", "Failures (seed, world, variant, outcome: detail):", ""]
     lines += [f"- {f['seed']} w{f['world']} {f['variant']} **{f['outcome']}**: "
               f"{f['detail'][:200]}" for f in s["failures"]] or ["- none"]
+    classes = s.get("by_class") or {}
+    seen = {v for c in classes.values() for v in c["variants"]}
+    variants = [v for v in record.VARIANTS if v in seen] + sorted(seen - set(record.VARIANTS))
+    if classes:
+        head = ["class", "programs", "judged"] + [f"{v}: {k}" for v in variants
+                                                  for k in ("loud", "loud %", "failed")]
+        lines += ["", "Loud per feature class (judged: plain ran the program right; per "
+                  "variant, loud runs of those judged, their share, and failures):", "",
+                  "| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+        for name, c in classes.items():
+            cells = [name, str(c["programs"]), str(c["judged"])]
+            for v in variants:
+                n = c["variants"].get(v, {"loud": 0, "runs": 0, "failed": 0, "loud_pct": 0.0})
+                cells += [f"{n['loud']}/{n['runs']}", f"{n['loud_pct']:.1f}", str(n["failed"])]
+            lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Loud errors (counted apart):", ""]
     lines += [f"- {f['seed']} w{f['world']} {f['variant']}: {' '.join(f['features'])}"
               for f in s["loud"]] or ["- none"]
@@ -148,7 +192,8 @@ def main(argv=None) -> int:
         args.earlier_wall = earlier["wall_s"]
         print(f"resuming: {len(args.earlier)} programs kept from {args.resume}", flush=True)
     programs = _programs(args)
-    variants = record.VARIANTS if args.variant == "all" else (args.variant,)
+    variants = record.VARIANTS if args.variant == "all" else () if args.variant == "plain" \
+        else (args.variant,)
     failures_dir = args.out / "failures" if args.out else record.FAILURES_DIR
     started = time.monotonic() - args.earlier_wall  # wall_s: all sittings together
     results, lock = list(args.earlier), threading.Lock()

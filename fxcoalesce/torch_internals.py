@@ -124,6 +124,13 @@ def canary_skip_hook() -> str:
     result = ConvertFrameReturn()
     _require(hasattr(result, "guarded_code"), "ConvertFrameReturn has no guarded_code")
     _require("code" in _fields(GuardedCode), "GuardedCode has no code field")
+    # ranks.hooks: a skip kept to one call, and the recompile limit read off the cache
+    _require(hasattr(result, "apply_to_code") or not hasattr(wrapper, "_handle_skip"),
+             "ConvertFrameReturn has no apply_to_code (a skip would hold for good)")
+    from torch._dynamo import eval_frame
+
+    _require(callable(getattr(eval_frame, "_debug_get_cache_entry_list", None)),
+             "torch._dynamo.eval_frame has no _debug_get_cache_entry_list")
     handle = getattr(wrapper, "_handle_skip", None)
     if handle is not None:  # torch 2.13 on: every skip passes through it
         _require(_binds(handle, 3) and _params(handle)[:3] == ["self", "result", "frame"],

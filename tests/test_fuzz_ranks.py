@@ -1,14 +1,15 @@
 """Tier 3, rank safety: generated programs on real gloo ranks, fxcoalesce against plain
 ``torch.compile`` (tests/fuzz: the generator, the runner, the oracle, record and replay).
 
-Default run: two of the nine fixed seeds on 2 ranks (DEFAULT: a flag one rank sets and a
-print inside a layer loop; a collective disabled on one rank) and the generator's own
-checks (no ranks); 15-30 s a seed while fxcoalesce passes them (a hang costs the 30 s group
-timeout more). The recorded failures under tests/data/fuzz/ replay in CI's part 4 (each
-one's first variant, against plain; RECENT ones in the default run too) and, every variant,
-in the slow run.
-Slow run (``-m slow``): the other seven fixed seeds (together the nine draw every feature of
-the grammar; about 3.5 minutes in all on 2 shared cores) and FXCOALESCE_FUZZ_N fresh programs
+Default run: three of the seventeen fixed seeds on 2 ranks (DEFAULT: a flag one rank sets
+and a print inside a layer loop; a collective disabled on one rank; two threads with their
+own groups) and the generator's and the oracle's own checks (no ranks); 10-30 s a seed
+while fxcoalesce passes them (a hang costs the 30 s group timeout more). The recorded
+failures under tests/data/fuzz/ replay in CI's part 4 (each one's first variant, against
+plain; RECENT ones in the default run too) and, every variant, in the slow run.
+Slow run (``-m slow``): the other fourteen fixed seeds (together the seventeen draw every
+feature of the grammar but the long runs and Inductor; about 3.5 minutes for the first nine,
+1.5-2.5 more for issue 49's eight, on 2 shared cores) and FXCOALESCE_FUZZ_N fresh programs
 (default 500; FXCOALESCE_FUZZ_SEED fixes the first seed, FXCOALESCE_FUZZ_JOBS runs programs
 side by side):
 
@@ -31,7 +32,9 @@ GROUP_TIMEOUT_S = 30
 
 # (seed, what it draws): one program per feature class (the rank-dependent ones apart, so
 # that one failure does not hide another), together every feature of the grammar but the
-# long runs and Inductor (the slow run draws those)
+# long runs and Inductor (the slow run draws those). The first nine draw none of issue 49's
+# classes (gen._side); the last eight one each, with no logging, disabled helper or
+# recompile limit of the older grammar beside it.
 FIXED = {
     5937: "fp16; summed pairs and triples, buckets; avg, max, min; dynamic=True and changing "
           "lengths; a setitem KV cache; an eager all_reduce",
@@ -49,16 +52,33 @@ FIXED = {
     1296: "the process group made anew smaller (rank 1 stops); two compiled functions; eager "
           "collectives",
     570: "the process group made anew at the same size; a sum of reductions of mixed ops",
+    75: "threads: two threads per rank, each with its own group and row count, calling one "
+        "compiled function; buckets, an all_gather; two compiled functions",
+    791: "raise: a ValueError for a bad input before any collective on one rank, caught, then "
+         "the call again; fp16; an eager all_reduce",
+    992: "raise: a ValueError on a flag after some collectives on every rank, caught, then the "
+         "call again; bf16; a setitem KV cache; changing lengths",
+    6006: "regroup_then.skip: the group made anew, then a print inside the layer loop on one "
+          "rank (Dynamo skips the frame there); an index_copy_ KV cache",
+    1198: "regroup_then.limit: the group made anew, then one rank changes a value each step "
+          "under a recompile limit of 3 (it reaches it); avg; changing lengths",
+    6505: "regroup_then.disable: the group made anew, then a compute helper disabled on one "
+          "rank; an all_gather; an index_copy_ KV cache",
+    5509: "regroup_then.disable_collective: the group made anew, then a helper with an "
+          "all_reduce disabled on one rank; an all_gather",
+    3468: "dynint: dynamic=True, 30 steps, a print on one rank every N steps (a branch on the "
+          "int argument and the rank) and a branch on an int argument; fp16; a KV cache",
 }
 
 
-DEFAULT = {10002, 221}
+DEFAULT = {10002, 221, 75}
 """The fixed seeds of the default run (issue 32's kinds: a flag one rank sets, a print in a
-loop Dynamo skips on one rank, a collective disabled on one rank); the others are slow."""
+loop Dynamo skips on one rank, a collective disabled on one rank; issue 49's two request
+streams on threads, 8-9 s on 2 cores); the others are slow."""
 
 KNOWN: dict[int, str] = {}
 """Fixed programs that fail today for a reason understood and written down: strict xfails,
-so a fix flips them (then move them back to FIXED)."""
+so a fix flips them (then take them out of KNOWN)."""
 
 
 def _failures(res: dict) -> dict:
@@ -75,7 +95,9 @@ def test_a_fixed_program_on_two_ranks(seed):
     # the fixed programs are ones plain torch.compile runs right (else they prove nothing)
     assert res["plain"]["outcome"] == "ok", res["plain"]
     # fxcoalesce, default and check_ranks=True: right on every rank at every step, or a
-    # loud error on every rank; never a wrong value, a killed rank, a hang, a longer wait
+    # loud stop (a loud error where it saw why, that or the transport's error as the
+    # stopped rank ends on every other rank); never a wrong value, a killed rank, a hang,
+    # a longer wait
     assert not _failures(res), (f"seed {seed} ({FIXED[seed]}): {_failures(res)}; "
                                 f"recorded in {res.get('record')}")
 
@@ -132,10 +154,41 @@ def test_the_generator_is_deterministic_and_draws_the_whole_grammar():
         {"eager.all_reduce", "eager.broadcast", "disable.compute", "disable.collective",
          "recompile.limit", "dynamic.seq", "dynamic.true", "kv.setitem", "kv.index_copy",
          "regroup.same", "regroup.smaller", "steps.many", "steps.long", "compile.inductor",
-         "compile.two_fns"}
+         "compile.two_fns"} | ISSUE_49
     assert grammar <= set(drawn), grammar - set(drawn)
     fixed = set().union(*(generate(s, 2, inductor=False).features for s in FIXED))
-    assert grammar - fixed == {"steps.many", "steps.long", "compile.inductor"}, grammar - fixed
+    assert grammar - fixed == {"steps.long", "compile.inductor"}, grammar - fixed
+
+
+ISSUE_49 = {"threads.two_groups", "raise.before", "raise.after", "raise.one_rank",
+            "raise.every_rank", "regroup_then.skip", "regroup_then.limit",
+            "regroup_then.disable", "regroup_then.disable_collective", "dynint.rank_every",
+            "dynint.int_branch"}
+
+
+def test_issue_49s_classes_leave_the_other_seeds_as_they_were(monkeypatch):
+    """The classes draw from a second generator (gen._side): a seed that draws none gives
+    the program it gave before them, among them the first nine fixed seeds; one that draws
+    a ValueError class keeps every other feature the program drew (the other classes take
+    from a thread's streams what they cannot share: G1, G2, a KV cache, a group made anew;
+    more steps)."""
+    from fuzz import gen
+
+    first = [5937, 3797, 10002, 858, 221, 3396, 270, 1296, 570]
+    assert not any(gen._side(s)[1] for s in first)
+    assert all(gen._side(s)[1] for s in set(FIXED) - set(first))
+    share = sum(bool(gen._side(s)[1]) for s in range(2000)) / 2000
+    assert 0.1 < share < 0.3, share
+    seeds = [s for s in range(400) if gen._side(s)[1] == {"raise"}]
+    assert len(seeds) > 10, seeds
+    progs = {s: generate(s, 2, inductor=False) for s in seeds}
+    side = gen._side
+    monkeypatch.setattr(gen, "_side", lambda s: (side(s)[0], set()))
+    for seed, prog in progs.items():
+        without = generate(seed, 2, inductor=False)
+        assert not set(without.features) & ISSUE_49
+        assert set(prog.features) - set(without.features) <= ISSUE_49, seed
+        assert set(without.features) <= set(prog.features), seed
 
 
 @pytest.mark.slow
@@ -162,3 +215,110 @@ def test_the_oracle_allows_a_sum_the_rounding_of_its_terms():
     assert oracle.close(["float32", [1], [0.414], 139.0], want, "float16")[0]
     assert not oracle.close(["float32", [1], [0.414]], want[:3], "float16")[0]
     assert not oracle.close(["float32", [1], [0.459 + 5.0], 139.0], want, "float16")[0]
+
+
+def _rank(rank, status="done", message=None, types=("builtins.RuntimeError",), step=2, t=0.1,
+          rc=None, stderr="", outs=None):
+    from fuzz.runner import RankResult
+
+    error = message and {"step": step, "t": t, "types": list(types), "message": message}
+    steps = {s: {"step": s, "t": 0.2, "first": s == 0, "outs": dict(outs or {})}
+             for s in range(step if error else 4)}
+    return RankResult(rank, (1 if error else 0) if rc is None else rc, status if not error
+                      else "error", steps, error, stderr)
+
+
+def _run(*ranks, timed_out=False):
+    from fuzz.runner import RunResult
+
+    return RunResult("fxcoalesce", len(ranks), 5.0, timed_out, list(ranks))
+
+
+MISMATCH = "fxcoalesce: rank 0 runs step_fn uncompiled here; Config(passes=('schedule',))"
+CLOSED = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection "
+          "closed by peer [127.0.0.1]:44257. This is typically caused by a remote worker "
+          "crashing. Check the logs of the remote worker before reporting an error.")
+LOUD = ("fxcoalesce.errors.CollectiveMismatchError",)
+
+
+def test_the_oracle_counts_loud_one_rank_that_says_why_and_peers_the_transport_ended():
+    """Issue 49's promise: the rank that sees the mismatch raises CollectiveMismatchError;
+    each other rank fails no later and no less clearly than under plain when a peer raises:
+    its own loud error, or gloo's "Connection closed by peer" as that rank's process ends
+    (within the step's allowance); never a group timeout, an abort, or a finish."""
+    plain = _run(_rank(0), _rank(1), _rank(2))
+    judge = oracle.judge
+    assert judge(_run(_rank(0, message=MISMATCH, types=LOUD), _rank(1, message=MISMATCH,
+                                                                      types=LOUD),
+                      _rank(2, message=MISMATCH, types=LOUD)), plain, "float32").outcome == "loud"
+    v = judge(_run(_rank(0, message=MISMATCH, types=LOUD), _rank(1, message=CLOSED),
+                   _rank(2, message="Connection reset by peer", step=3)), plain, "float32")
+    assert v.outcome == "loud" and "transport's error on ranks [1, 2]" in v.detail, v
+    # the store's end as rank 0 (its host) leaves; an error naming fxcoalesce and a fix
+    store = "Failed to recv, got 0 bytes. Connection was likely closed. Did the remote " \
+            "server shutdown or crash?"
+    assert judge(_run(_rank(0, message=MISMATCH), _rank(1, message=store),
+                      _rank(2, message=CLOSED)), plain, "float32").outcome == "loud"
+    # a group timeout on a peer: a hang, loud or not elsewhere
+    timeout = "[../gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 30000ms for recv"
+    assert judge(_run(_rank(0, message=MISMATCH, types=LOUD), _rank(1, message=timeout),
+                      _rank(2, message=CLOSED)), plain, "float32").outcome == "hang"
+    # gloo's size-mismatch abort on a peer: killed, whatever the others said
+    size = ("Received data size doesn't match expected size. Is there a distributed "
+            "collective mismatch in your code?")
+    assert judge(_run(_rank(0, message=MISMATCH, types=LOUD), _rank(1, message=size,
+                                                                      stderr=size),
+                      _rank(2, message=CLOSED)), plain, "float32").outcome == "killed"
+    assert judge(_run(_rank(0, message=MISMATCH, types=LOUD), _rank(1, message=CLOSED, rc=-6),
+                      _rank(2, message=CLOSED)), plain, "float32").outcome == "killed"
+    # a peer that finished normally, or whose error says nothing clear: partial
+    assert judge(_run(_rank(0, message=MISMATCH, types=LOUD), _rank(1),
+                      _rank(2, message=CLOSED)), plain, "float32").outcome == "partial_error"
+    unclear = "BackendCompilerFailed: backend='fxcoalesce' raised: AssertionError"
+    assert judge(_run(_rank(0, message=MISMATCH, types=LOUD), _rank(1, message=unclear),
+                      _rank(2, message=CLOSED)), plain, "float32").outcome == "partial_error"
+    # the transport's error on every rank, none loud: an error; on one rank only: partial
+    assert judge(_run(_rank(0, message=CLOSED), _rank(1, message=CLOSED),
+                      _rank(2, message=CLOSED)), plain, "float32").outcome == "error"
+    assert judge(_run(_rank(0, message=CLOSED), _rank(1), _rank(2)), plain,
+                 "float32").outcome == "partial_error"
+    # the transport's error later than plain's allowance at that step: slow, not loud
+    assert judge(_run(_rank(0, message=MISMATCH, types=LOUD), _rank(1, message=CLOSED, t=25.0),
+                      _rank(2, message=CLOSED)), plain, "float32").outcome == "slow"
+    # a rank beyond a smaller group (stopped) takes no part
+    assert judge(_run(_rank(0, message=MISMATCH, types=LOUD), _rank(1, message=CLOSED),
+                      _rank(2, status="stopped")), plain, "float32").outcome == "loud"
+
+
+def test_the_oracle_compares_a_caught_exception_like_an_output():
+    """``rec.raised``: an exception the program caught and expected is an output: a variant
+    that raises it where plain did, ok; one that does not (or raises another), wrong."""
+    raised = {"bad": ["raised ValueError", [], []]}
+    plain = _run(_rank(0, outs=raised), _rank(1, outs=raised))
+    assert oracle.judge(_run(_rank(0, outs=raised), _rank(1, outs=raised)), plain,
+                        "float32").outcome == "ok"
+    v = oracle.judge(_run(_rank(0, outs=raised), _rank(1)), plain, "float32")
+    assert v.outcome == "wrong" and "outputs [] vs ['bad']" in v.detail, v
+    other = {"bad": ["raised RuntimeError", [], []]}
+    v = oracle.judge(_run(_rank(0, outs=raised), _rank(1, outs=other)), plain, "float32")
+    assert v.outcome == "wrong" and "raised RuntimeError" in v.detail, v
+
+
+def test_the_harness_runs_streams_and_raises_the_error_raised_first():
+    """``H.threads`` (the ``threads`` class): each call on its own thread, results in order;
+    where streams fail, the error raised first (the cause: a stream's stop ends the other's
+    collectives after it)."""
+    import time
+
+    from fuzz import harness
+
+    assert harness.threads(lambda a, b: a * b, [(2, 3), (4, 5)]) == [6, 20]
+
+    def stream(t):
+        if t == 1:
+            raise ValueError("the cause")
+        time.sleep(0.5)  # a collective that fails as the peer leaves
+        raise RuntimeError("Connection closed by peer")
+
+    with pytest.raises(ValueError, match="the cause"):
+        harness.threads(stream, [(0,), (1,)])

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from ..checked import Firsts, taggable_value
 from ..errors import CollectiveMismatchError
 from ..meta import is_torch_file
-from .agreement import PROCESS, code_key, family, positions
+from .agreement import PROCESS, code_key, family, positions, process_env
 from .store import RESERVED_ID
 from .tag import TAG_BITS, agrees, bits
 
@@ -109,17 +109,12 @@ def runs_uncompiled(frame, reason: str, result=None) -> None:
     raised the user's own exception at a shape its graphs do not have, then good input)."""
     if ("skipfiles" in reason or is_torch_file(frame.f_code.co_filename)
             or not dist.is_initialized() or PROCESS.env is None):
-        return
+        return  # (PROCESS.env: this process made a backend; a group made anew is joined here)
+    fam = family(code_key(frame.f_code))
     try:
         if dist.get_backend() == "fake" or dist.get_world_size() < 2:
             return
-        store = dist.distributed_c10d._get_default_store()
-    except Exception:  # a group being torn down: nothing to say
-        return
-    env, fam = PROCESS.env, family(code_key(frame.f_code))
-    if PROCESS.store_id != id(store):
-        return  # nothing of this rank's was agreed in this group yet
-    try:
+        env = process_env()
         env.exchange.skipped(fam, positions())
     except Exception:  # the store went with a peer: its collectives fail as plain's would
         return

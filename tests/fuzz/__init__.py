@@ -19,7 +19,15 @@ source of a whole script that one process per rank runs, of the kinds users writ
   updated in place (``cache[:, pos] = ...`` or ``index_copy_``);
 - the process group destroyed and made anew on a new port, the same size or smaller (the
   ranks beyond it stop), then the same compiled function called again;
-- 3-8 steps mostly, sometimes tens, now and then hundreds; a second compiled function.
+- 3-8 steps mostly, sometimes tens, now and then hundreds; a second compiled function;
+- issue 49's classes, each in about one program in twenty (from a second generator: a seed
+  that draws none gives the program it gave before them): two threads per rank, each with
+  its own ``dist.new_group`` and row count, calling one compiled function (``threads``); a
+  user ``ValueError`` before any collective (a bad shape, one rank or all) or after some (a
+  flag, every rank), caught, recorded and the call made again (``raise``); a group made
+  anew, then on one rank a print in a loop, a recompile limit reached or
+  ``torch.compiler.disable`` (``regroup_then``); ``dynamic=True`` with a print on one rank
+  every N steps and branches on int arguments, 30-200 steps (``dynint``).
 
 **How it runs** (``runner``, ``harness``, ``zygote``): each program runs on 2 or 4 gloo
 ranks on CPU, one OS process each (forked from an interpreter that imported torch, Dynamo
@@ -35,9 +43,12 @@ the exception) as JSON lines; the runner keeps exit codes and stderr.
 rank and match eager, else the program is left out (counted). Then each fxcoalesce variant
 must match plain on every rank at every step (per-dtype tolerance: sums may reassociate),
 with no step slower than plain's allowance (10 s grace; 1.5x + 15 s on a compiled
-function's first call), or raise ``CollectiveMismatchError`` (or an error naming
-fxcoalesce and a fix) on every rank: counted apart as ``loud``. Failures: ``wrong``,
-``killed``, ``hang``, ``partial_error``, ``error``, ``missing``, ``slow``.
+function's first call), or stop loudly, counted apart as ``loud``: the rank(s) that see
+why raise ``CollectiveMismatchError`` (or an error naming fxcoalesce and a fix), every other
+rank that error too or the transport's ("Connection closed by peer") as a stopped rank's
+process ends, within the step's allowance, as under plain when a peer raises (issue 49's
+promise). Failures: ``wrong``, ``killed``, ``hang``, ``partial_error``, ``error``,
+``missing``, ``slow``. The slow run's summary gives the loud share per feature class.
 
 **Record and replay** (``record``): a failure is written to
 ``property-failures/fuzz/<seed>.json`` (seed, world, variants, program text, each rank's
@@ -51,6 +62,7 @@ default test replays it (its recorded text).
     python benchmarks/fuzz_ranks.py --n 500 --jobs 8 --seed-base S \\
         --out benchmarks/results/fuzz_<name>/      # summary.json, summary.md, failures/
     python benchmarks/fuzz_ranks.py --seed 123 --variant fxcoalesce --world 4 -v
+    python benchmarks/fuzz_ranks.py --seed 123 --variant plain -v  # eager and plain only
     python benchmarks/fuzz_ranks.py --replay property-failures/fuzz/123.json -v
 
 Only torch and the stdlib are needed (no safetensors, no hypothesis).

@@ -11,15 +11,47 @@ disabled on one rank, a read of a value only one rank changes (under a small rec
 limit). Around it: eager collectives between compiled calls, a KV cache updated in place,
 sequence lengths that change, a process group made anew. ``Program.features`` names what
 was drawn (``class.detail``).
+
+The classes of issue 49 (``CLASSES``) are drawn from a second generator, ``_side(seed)``, each
+with a small chance, so that a seed that draws none of them gives the text it gave before
+they existed (the fixed seeds of ``tests/test_fuzz_ranks.py`` draw none); a seed that draws
+one takes every detail of it from that generator too, so its other features mostly stay:
+
+- ``threads``: two threads per rank, each with its own process group (``dist.new_group``
+  over every rank, made by every rank in one order) and its own row count, calling the same
+  compiled step function (two request streams), joined at each step;
+- ``raise``: a user ``ValueError`` in the compiled function, before any collective (a
+  shape check: one rank or every rank sends a bad input once) or after some (a flag every
+  rank passes once), caught by the program, recorded (``rec.raised``) and the call made
+  again with good input;
+- ``regroup_then``: a process group made anew, then on one rank a print inside a loop
+  (Dynamo skips the frame there), a recompile limit reached, or ``torch.compiler.disable``;
+- ``dynint``: ``dynamic=True`` with branches on the int argument ``step`` and on the rank
+  (``if RANK == 0 and (step + 1) % N == 0: print(...)``) for 30-200 steps.
 """
 
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import dataclass, field
 
 OPS = ("sum", "avg", "max", "min")
 DTYPES = ("float32", "float16", "bfloat16")
+CLASSES = {"threads": 0.05, "raise": 0.06, "regroup_then": 0.05, "dynint": 0.05}
+"""Issue 49's classes and the chance of each (drawn by ``_side``; threads leave
+``regroup_then`` out: a thread's group does not survive the default group's end)."""
+
+
+def _side(seed: int) -> tuple[random.Random, set[str]]:
+    """The second generator and the classes it draws for ``seed``. Its seed, a str (through
+    SHA-512: the same in every process), is one under which none of the fixed seeds of
+    ``tests/test_fuzz_ranks.py`` draws a class (their programs are those they were)."""
+    rng = random.Random(f"issue 49 {seed}")
+    drawn = {name for name, p in CLASSES.items() if rng.random() < p}
+    if "threads" in drawn:
+        drawn.discard("regroup_then")
+    return rng, drawn
 
 
 @dataclass(frozen=True)
@@ -56,6 +88,11 @@ class _Draw:
     hooks: dict = field(default_factory=dict)  # slot index -> lines
     layers: int = 0  # weight layers used
     steps: int = 0
+    side: random.Random | None = None  # issue 49's classes draw from this one (``_side``)
+    classes: set = field(default_factory=set)  # those drawn
+    params: list = field(default_factory=list)  # step_fn's parameters after idx
+    late: list = field(default_factory=list)  # at the regroup step, after make_groups()
+    then: tuple = ()  # regroup_then: (detail, rank, recompile limit)
 
     def p(self, prob: float) -> bool:
         return self.rng.random() < prob
@@ -69,13 +106,17 @@ class _Draw:
     def slot(self, indent: int, loop: bool) -> None:
         self.body.append(("slot", indent, loop))
 
-    def hook(self, lines: list[str], loop_only: bool = False) -> None:
+    def hook(self, lines: list[str], loop_only: bool = False, rng=None,
+             after_collective: bool = False) -> None:
         """Put ``lines`` at a random slot of the step function (one in the layer loop when
-        ``loop_only``)."""
+        ``loop_only``; past the first collective when ``after_collective``), chosen by
+        ``rng`` (default: the program's own)."""
         slots = [i for i, x in enumerate(self.body) if isinstance(x, tuple)
                  and (x[2] or not loop_only)]
+        if after_collective:
+            slots = slots[1:]  # the first slot is the body's first line, before any
         if slots:
-            self.hooks.setdefault(self.rng.choice(slots), []).extend(lines)
+            self.hooks.setdefault((rng or self.rng).choice(slots), []).extend(lines)
 
 
 def _op(d: _Draw) -> str:
@@ -190,9 +231,12 @@ def _rank_local(d: _Draw, groups: list[str]) -> None:
         collective = d.p(0.5)
         d.feature("disable." + ("collective" if collective else "compute"))
         inner = _ar("h * 0.5", "sum", d.rng.choice(groups)) if collective else "h * 1.5"
-        d.top += ["def mix(h):", f"    return torch.tanh({inner})", "", "",
+        # threads: the helper takes the calling thread's group (a module-level one would
+        # carry both streams' collectives at once)
+        arg = ", G0" if "threads" in d.classes else ""
+        d.top += [f"def mix(h{arg}):", f"    return torch.tanh({inner})", "", "",
                   f"if RANK == {who}:", "    mix = torch.compiler.disable(mix)", ""]
-        d.hook(["h = mix(h)"])
+        d.hook([f"h = mix(h{arg})"])
     if d.p(0.12):
         d.feature("recompile.limit")
         limit = d.pick(1, 2, 3)
@@ -215,33 +259,130 @@ def _groups(d: _Draw) -> tuple[list[str], list[str]]:
     return ["G0", "G1", "G2"][: extra + 1], lines[: 4 + extra]
 
 
+def _regroup_then(d: _Draw, regroup: tuple | None) -> tuple[int, int]:
+    """``regroup_then``: the group made anew (drawn here where the program drew none; a
+    group of two ranks at least), and what one rank of it does differently from then on;
+    enough steps after it for that (a recompile limit: a recompile a step)."""
+    x = d.side
+    at, size = regroup or (x.randint(1, min(3, d.steps - 1)), x.choice((d.world, d.world // 2)))
+    size = size if size >= 2 else d.world
+    detail = x.choice(("skip", "limit", "disable", "disable_collective"))
+    limit = x.choice((3, 4))
+    d.then = (detail, x.randrange(size), limit)
+    d.steps = max(d.steps, at + (limit + 3 if detail == "limit" else 3))
+    return at, size
+
+
+def _regroup_then_body(d: _Draw) -> None:
+    """``regroup_then``'s lines: a flag the regroup step sets, and what rank ``who`` does
+    from then on (drawn in ``_regroup_then``)."""
+    detail, who, limit = d.then
+    x = d.side
+    d.feature(f"regroup_then.{detail}")
+    d.top += ["AFTER = False  # the group was made anew", ""]
+    d.late.append("AFTER = True")
+    if detail == "skip":  # a print in a loop: Dynamo skips the frame on that rank
+        message = f'print(f"rank {who}: a new group at step {{step}}")'
+        if any(isinstance(b, tuple) and b[2] for b in d.body):
+            d.hook([f"if AFTER and RANK == {who} and i == {x.choice((0, 1))}:",
+                    "    " + message], loop_only=True, rng=x)
+        else:
+            d.hook(["for j in range(2):", f"    if AFTER and RANK == {who} and j == 1:",
+                    "        " + message], rng=x)
+    elif detail == "limit":  # a value only that rank changes, a recompile each step
+        d.top += ["_dynamo_config = torch._dynamo.config",
+                  "if hasattr(_dynamo_config, 'recompile_limit'):",
+                  f"    _dynamo_config.recompile_limit = {limit}",
+                  "else:  # its name before torch 2.13",
+                  f"    _dynamo_config.cache_size_limit = {limit}", 'LATE = "p"', ""]
+        d.pre += [f"if AFTER and RANK == {who}:", '    LATE = f"p{step}"']
+        d.hook(["h = h * (1.0 + 0.0 * len(LATE))"], rng=x)
+    else:  # a helper disabled on that rank from then on
+        inner = _ar("h * 0.5", "sum", "G0") if detail == "disable_collective" else "h * 1.25"
+        d.top += ["def renewed(h):", f"    return torch.tanh({inner})", "", ""]
+        d.late += [f"if RANK == {who}:", "    renewed = torch.compiler.disable(renewed)"]
+        d.hook(["if AFTER:", "    h = renewed(h)"], rng=x)
+
+
+def _dynint(d: _Draw) -> None:
+    """``dynint``: under dynamic=True, a print on one rank every N steps (a branch on the
+    int argument and on the rank), sometimes a branch on an int argument on every rank."""
+    x = d.side
+    who = x.choice((0, 0, 0, d.world - 1))
+    n = x.choice((3, 5, 7, 10, 16, 25))
+    rank = x.choice(("RANK", "RANK", "dist.get_rank()"))
+    d.feature("dynint.rank_every")
+    d.hook([f"if {rank} == {who} and (step + 1) % {n} == 0:",
+            f'    print(f"rank {who}: step {{step}}, every {n} steps")'], rng=x)
+    if x.random() < 0.5:
+        d.feature("dynint.int_branch")
+        m = x.choice((2, 3, 4))
+        cond = x.choice((f"step % {m} == {m - 1}", f"pos >= {x.choice((2, 4, 6))}"))
+        d.hook([f"if {cond}:", "    h = torch.tanh(h * 1.5)"], rng=x)
+
+
+def _raise(d: _Draw) -> dict:
+    """``raise``: a ValueError the compiled function raises for a bad request, before any
+    collective (a shape check; one rank or every rank sends the bad input) or after some
+    (a flag every rank passes: one rank alone would pair its retry's collectives with its
+    peers' next ones, under plain too). The program catches it, records it and calls again."""
+    x = d.side
+    where = "before" if x.random() < 0.6 else "after"
+    who = x.randrange(d.world) if where == "before" and x.random() < 0.7 else None
+    d.feature(f"raise.{where}")
+    d.feature("raise.one_rank" if who is not None else "raise.every_rank")
+    if where == "after":
+        d.params.append("bad=False")
+        d.hook(["if bad:  # a user's check after some collectives",
+                '    raise ValueError(f"a bad request at step {step}")'],
+               rng=x, after_collective=True)
+    return {"where": where, "at": x.randrange(d.steps), "who": who}
+
+
 def generate(seed: int, world: int, inductor: bool | None = None) -> Program:
-    d = _Draw(random.Random(seed), seed, world)
+    side, classes = _side(seed)
+    d = _Draw(random.Random(seed), seed, world, side=side, classes=classes)
     dtype = d.pick(*DTYPES, weights=(2, 1, 1))
     d.feature(f"dtype.{dtype}")
     r = d.rng.random()
     d.steps = d.rng.randint(3, 8) if r < 0.8 else d.rng.randint(12, 40) if r < 0.96 else \
         d.rng.randint(100, 300)
-    if d.steps > 8:
-        d.feature("steps.long" if d.steps >= 100 else "steps.many")
     regroup = None
     if d.p(0.15):
         at = d.rng.randint(1, d.steps - 1)
         size = d.pick(world, world // 2)
         regroup = (at, size)
-        d.feature("regroup." + ("same" if size == world else "smaller"))
+    # the classes below draw from ``side`` and leave the program's draws as they were
+    drawn_regroup = regroup  # what the blocks' draws depend on, as before the classes
+    if "threads" in classes:  # a stream's group would not outlive the default group
+        regroup = None
+    if "dynint" in classes:  # many calls of one dynamic graph: 30-200 steps
+        d.steps = side.randint(30, 60) if side.random() < 0.7 else side.randint(61, 200)
+    if "regroup_then" in classes:
+        regroup = _regroup_then(d, regroup)
+    if regroup:
+        d.feature("regroup." + ("same" if regroup[1] == world else "smaller"))
+    if d.steps > 8:
+        d.feature("steps.long" if d.steps >= 100 else "steps.many")
     groups, group_lines = _groups(d)
-    _blocks(d, groups, gather=regroup is None or regroup[1] == world)
+    if "threads" in classes:  # each thread's own group stands for G0, G1 and G2 (_render)
+        d.features -= {f for f in d.features if f.startswith("groups.")}
+        d.feature("groups.1")
+        group_lines = group_lines[:4]
+    _blocks(d, groups, gather=drawn_regroup is None or drawn_regroup[1] == world)
     seq = "4"
     if d.p(0.35):
         d.feature("dynamic.seq")
         seq = f"3 + step % {d.pick(2, 3)}"
     kw = ""
-    if d.p(0.15):
+    if d.p(0.15) or "dynint" in classes:
         d.feature("dynamic.true")
         kw = ", dynamic=True"
     if d.p(0.3):
-        if d.p(0.5):
+        setitem = d.p(0.5)
+        if "threads" in classes:  # a KV cache has one row count, not two streams' own
+            pass
+        elif setitem:
             d.feature("kv.setitem")
             d.body += ["    CACHE[:, pos] = h[:, -1]",
                        "    h = h + 0.5 * CACHE[:, : pos + 1].mean(1, keepdim=True)"]
@@ -249,15 +390,24 @@ def generate(seed: int, world: int, inductor: bool | None = None) -> Program:
             d.feature("kv.index_copy")
             d.body += ["    CACHE.index_copy_(1, idx, h[:, -1:])",
                        "    h = h + 0.5 * CACHE.mean(1, keepdim=True)"]
-        d.top += ["CACHE = torch.zeros(B, MAXT, D, dtype=DT)", ""]
+        if "threads" not in classes:
+            d.top += ["CACHE = torch.zeros(B, MAXT, D, dtype=DT)", ""]
     _logging(d)
+    if "threads" in classes:
+        d.feature("threads.two_groups")
+        d.params.append("G0")  # the calling thread's group, in place of the global
     _rank_local(d, groups)
+    if "regroup_then" in classes:
+        _regroup_then_body(d)
+    if "dynint" in classes:
+        _dynint(d)
+    bad = _raise(d) if "raise" in classes else None
     head = d.p(0.25)
     if head:
         d.feature("compile.two_fns")
     drawn = d.p(0.1)  # drawn even when given: the text never depends on it (the runner's)
     inductor = drawn if inductor is None else inductor
-    text = _render(d, dtype, group_lines, head, seq, kw, regroup)  # draws some features too
+    text = _render(d, dtype, group_lines, head, seq, kw, regroup, bad)  # draws features too
     if inductor:
         d.feature("compile.inductor")
     return Program(seed, world, text, tuple(sorted(d.features)), inductor, d.steps)
@@ -273,7 +423,27 @@ def _body(d: _Draw) -> list[str]:
     return out
 
 
-def _render(d: _Draw, dtype, group_lines, head, seq, kw, regroup) -> str:
+def _bad_call(bad: dict | None, args: str, cond: str, ind: str, name: str) -> list[str]:
+    """``raise``: at its step, a bad request, its ValueError caught and recorded (plain
+    raises it too), before the good one."""
+    if not bad:
+        return []
+    if bad["where"] == "before":  # the input the function's check refuses
+        call = f"f(x[..., : D // 2], {args})"
+    else:  # the flag its check after some collectives refuses
+        call = f"f(x, {args}, bad=True)"
+    who = "" if bad["who"] is None else f" and RANK == {bad['who']}"
+    return [f"{ind}if {cond}step == {bad['at']}{who}:  # a bad request, caught, then again",
+            f"{ind}    try:", f"{ind}        {call}", f"{ind}    except ValueError as e:",
+            f'{ind}        rec.raised("{name}", e)']
+
+
+def _render(d: _Draw, dtype, group_lines, head, seq, kw, regroup, bad=None) -> str:
+    threads = "threads" in d.classes
+    params = "".join(f", {p}" for p in d.params)
+    check = ["    if x.shape[-1] != D:  # a user's check, before any collective",
+             '        raise ValueError(f"want {D} features, got {x.shape[-1]}")'] \
+        if bad and bad["where"] == "before" else []
     lines = [f"# fxcoalesce fuzz program: seed {d.seed}, world {d.world}",
              f"# features: {' '.join(sorted(d.features))}",
              (f"# replay: python benchmarks/fuzz_ranks.py --seed {d.seed} --world {d.world} "
@@ -284,22 +454,47 @@ def _render(d: _Draw, dtype, group_lines, head, seq, kw, regroup) -> str:
              "RANK, WORLD = H.init()", f"SEED = {d.seed}", f"DT = torch.{dtype}",
              "B, D, MAXT = 2, 8, 8", 'log = logging.getLogger("fuzz")', "", "",
              *group_lines, "", "", "make_groups()",
-             f"W = H.weights(SEED, RANK, {d.layers + head}, 3, D, DT)", "", *d.top, "",
-             "def step_fn(x, step, pos, idx):", "    h = x", *_body(d), "    return h", ""]
+             f"W = H.weights(SEED, RANK, {d.layers + head}, 3, D, DT)", ""]
+    if threads:
+        rows = d.side.choice(((2, 3), (1, 4), (2, 5), (3, 2)))
+        lines += ["# two request streams, each with its own rows and its own group (every rank",
+                  "# makes both, in this order)",
+                  "TG = [dist.new_group(list(range(WORLD))) for _ in range(2)]",
+                  f"ROWS = {rows}", ""]
+    body, top = _body(d), d.top
+    if threads:  # the calling thread's group, G0 (a parameter), wherever G1 or G2 was drawn
+        body, top = ([re.sub(r"\bG[12]\b", "G0", x) for x in xs] for xs in (body, top))
+    lines += [*top, "", f"def step_fn(x, step, pos, idx{params}):", *check, "    h = x",
+              *body, "    return h", ""]
     if head:
         lines += ["", "def head(h):",
                   f"    z = {_ar(f'h.mean(1) @ W[{d.layers}][0]', 'sum', 'G0')}",
                   "    return torch.tanh(z)", "", ""]
     lines += [f"f = H.compile(step_fn{kw})"] + (["g = H.compile(head)"] if head else [])
+    if threads:
+        args = "step, step % MAXT, torch.tensor([step % MAXT]), TG[t]"
+        lines += ["", "",
+                  "def request(step, t, rec):",
+                  "    \"\"\"Stream t's request at this step, on its own thread.\"\"\"",
+                  f"    x = H.randn(SEED, step, RANK + 64 * t, (ROWS[t], {seq}, D), DT)",
+                  *_bad_call(bad, args, "t == 0 and ", "    ", "bad"),
+                  f"    return f(x, {args})", "", ""]
     lines += [f"for step in range({d.steps}):"]
     lines += ["    " + x for x in d.pre]
     lines += ["    with H.step(step) as rec:"]
     if regroup:
         lines += [f"        if step == {regroup[0]}:  # a process group made anew",
                   f"            H.regroup({regroup[1]})", "            make_groups()"]
-    lines += [f"        x = H.randn(SEED, step, RANK, (B, {seq}, D), DT)",
-              "        out = f(x, step, step % MAXT, torch.tensor([step % MAXT]))",
-              '        rec.out("out", out)']
+        lines += ["            " + x for x in d.late]
+    if threads:
+        lines += ["        out, out1 = H.threads(request, [(step, t, rec) for t in range(2)])",
+                  '        rec.out("out", out)', '        rec.out("out1", out1)']
+    else:
+        args = "step, step % MAXT, torch.tensor([step % MAXT])"
+        lines += [f"        x = H.randn(SEED, step, RANK, (B, {seq}, D), DT)",
+                  *_bad_call(bad, args, "", "        ", "bad"),
+                  f"        out = f(x, {args})",
+                  '        rec.out("out", out)']
     if head:
         lines += ['        rec.out("head", g(out))']
     if d.p(0.4):

@@ -11,7 +11,8 @@ anew. The runner passes everything through the environment:
 
 Results lines: {"event": "start"}, one {"event": "step", "step", "t", "first", "outs"} per
 finished step ("first": the step made the first call of some compiled function; "outs":
-name -> [dtype, shape, values as floats]), then one of {"event": "done"}, {"event":
+name -> [dtype, shape, values as floats]; an exception the program caught and expected:
+name -> ["raised <type>", [], []]), then one of {"event": "done"}, {"event":
 "stopped"} (a rank beyond a smaller group) or {"event": "error", "step", "t", "types",
 "message"} ("step": None for the closing barrier). A rank leaves through ``_exit``.
 """
@@ -155,6 +156,44 @@ class _Record:
                                     value.to(torch.float64).flatten().tolist()]
         if scale is not None:
             self.entry["outs"][name].append(float(scale))
+
+    def raised(self, name: str, e: BaseException) -> None:
+        """Record an exception the program caught and expected (a user's ValueError for a
+        bad request): an output like a tensor's, so the oracle compares it with plain's (a
+        variant that raises where plain did not, or not where plain did, differs)."""
+        self.entry["outs"][name] = [f"raised {type(e).__name__}", [], []]
+
+
+def threads(fn, calls: list[tuple]) -> list:
+    """``fn(*args)`` for each ``args`` of ``calls``, each on its own thread, joined; their
+    results in order, or the exception raised first (in time: the cause, where a stream's
+    error ends its peers' collectives and so the other stream's) raised again here."""
+    import threading
+
+    # torch 2.11 (CUDA builds): the device guard FakeTensorMode sets up on its first entry is
+    # freed with the thread that entered first, and the next compile on another thread
+    # segfaults (plain included; pytorch#178950, fixed after 2.11). Set up here, on the main
+    # thread, it lives as long as the process.
+    ensure = getattr(torch._C, "_ensureCUDADeviceGuardSet", None)
+    if ensure is not None:
+        ensure()
+    results, errors = [None] * len(calls), []
+
+    def one(i):
+        try:
+            results[i] = fn(*calls[i])
+        except BaseException as e:  # noqa: BLE001 (raised again in the caller's thread)
+            errors.append(e)  # in the order raised
+
+    workers = [threading.Thread(target=one, args=(i,), name=f"fuzz-stream-{i}")
+               for i in range(len(calls))]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    if errors:
+        raise errors[0]
+    return results
 
 
 def _types(e: BaseException) -> list[str]:

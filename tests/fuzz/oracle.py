@@ -1,23 +1,33 @@
 """The oracle: plain ``torch.compile`` is the reference (checked against eager execution of
-the same program), fxcoalesce must match it on every rank at every step, or stop loudly on
-every rank.
+the same program), fxcoalesce must match it on every rank at every step, or stop loudly: a
+rank that sees why says so, and every other rank fails no later and no less clearly than
+under plain when a peer raises.
 
 Outcomes of a program under a variant, judged against plain:
 
 - ``ok``: every rank finished as under plain (done, or stopped by a smaller group at the same
   step) with every step's outputs close to plain's, and no step slower than plain's
   allowance (below).
-- ``loud`` (counted apart, not a failure while plain runs the program right): every rank
-  still in the job raised ``fxcoalesce.CollectiveMismatchError``, or an error whose message
-  names fxcoalesce and a fix, and every value returned before was right.
+- ``loud`` (counted apart, not a failure while plain runs the program right; the promise
+  of issue 49): where fxcoalesce must stop, the rank(s) that see it raise
+  ``fxcoalesce.CollectiveMismatchError`` (or an error whose message names fxcoalesce and a
+  fix: ``loud()``), and every other rank still in the job fails no later and no less
+  clearly than under plain ``torch.compile`` when a peer raises: its own loud error, or
+  the transport's error as the stopped rank's process ends (gloo's "Connection closed by
+  peer", a reset or closed connection: ``transport()``) within the step's allowance
+  (``slow`` below), never a group timeout (``hang``) or an abort (``killed``); and every
+  value returned before was right. At least one rank is loud.
 
 Failures, the first that applies in this order:
 
 - ``wrong``: a value on some rank at some step not close to plain's (even if an error follows).
 - ``killed``: a rank ended by a signal, "terminate called" in its stderr, or gloo's
-  collective-mismatch abort.
+  collective-mismatch abort (a size mismatch: "Received data size doesn't match",
+  "op.preamble.length"), whatever the other ranks did.
 - ``hang``: the run passed its wall limit, or a rank's error is a group timeout.
-- ``partial_error``: an error on some ranks but not all (or loud on some only).
+- ``partial_error``: an error on some ranks while the others finished normally (or left
+  no end), or a loud error on some ranks and on another one an error that is neither loud
+  nor the transport's (a Dynamo or fxcoalesce error that says nothing of what to change).
 - ``error``: an error on every rank, none of which says what fxcoalesce wants changed.
 - ``missing``: a rank finished with fewer steps, or another status, than under plain.
 - ``slow``: a step (or the step that raised) slower than plain allows. Fair to compile time:
@@ -45,7 +55,13 @@ SKIPS = ("eager_failed", "plain_failed", "plain_wrong")
 TOL = {"float32": 1e-4, "float64": 1e-9, "float16": 2e-2, "bfloat16": 8e-2}
 GRACE_S, FIRST_GRACE_S, FIRST_FACTOR = 10.0, 15.0, 1.5
 ABORTS = ("terminate called", "Is there a distributed collective mismatch",
-          "op.preamble.length", "Fatal Python error", "Segmentation fault")
+          "Received data size doesn't match", "op.preamble.length", "Fatal Python error",
+          "Segmentation fault")
+TRANSPORT = ("Connection closed by peer", "Connection reset", "Connection was likely closed",
+             "Broken pipe")
+"""A peer's process ended under a rank's collective (or store request): what plain's ranks
+get when a peer raises (gloo: "[.../pair.cc] Connection closed by peer [127.0.0.1]:port";
+the store: "Failed to recv, got 0 bytes. Connection was likely closed")."""
 TIMEOUTS = ("Timed out", "timed out", "Timeout", "timeout")
 
 
@@ -87,6 +103,10 @@ def first_wrong(run: RunResult, ref: RunResult, compute: str) -> str | None:
             if set(got) != set(want):
                 return f"rank {r} step {step}: outputs {sorted(got)} vs {sorted(want)}"
             for name in sorted(got):
+                kinds = got[name][0], want[name][0]
+                if kinds[0] != kinds[1] and any(k.startswith("raised ") for k in kinds):
+                    return (f"rank {r} step {step} {name!r}: {kinds[0]} (a caught exception "
+                            f"or a tensor's dtype), plain {kinds[1]}")
                 ok, worst = close(got[name], want[name], compute)
                 if not ok:
                     return (f"rank {r} step {step} {name!r}: off by {worst:.3g}x the "
@@ -103,6 +123,15 @@ def loud(error: dict | None) -> bool:
     return any(t.endswith("CollectiveMismatchError") for t in error["types"]) or (
         "fxcoalesce" in message and any(fix in message for fix in
                                         ("Config(", "docs/", "torch._dynamo.config")))
+
+
+def transport(error: dict | None) -> bool:
+    """The transport's error as a peer's process ended (``TRANSPORT``), not a timeout: how
+    a rank of plain's fails when a peer raises (within a fraction of a second)."""
+    if not error:
+        return False
+    message = error["message"]
+    return any(t in message for t in TRANSPORT) and not any(t in message for t in TIMEOUTS)
 
 
 def judge_plain(plain: RunResult, eager: RunResult | None, compute: str) -> Verdict | None:
@@ -139,12 +168,18 @@ def judge(run: RunResult, plain: RunResult, compute: str) -> Verdict:
     errors = [r for r in active if r.status == "error"]
     if errors:
         louds = [r for r in errors if loud(r.error)]
-        if len(errors) < len(active) or 0 < len(louds) < len(errors):
+        # a rank the stopped rank's end reached through the transport: as under plain
+        ended = [r for r in errors if not loud(r.error) and transport(r.error)]
+        if len(errors) < len(active) or louds and len(louds) + len(ended) < len(errors):
             return Verdict("partial_error", _statuses(run))
         if not louds:
             return Verdict("error", _statuses(run))
-        slow = _slow(run, plain)
-        return Verdict("slow", slow) if slow else Verdict("loud", _statuses(run))
+        slow = _slow(run, plain)  # an ended rank's error too: within the step's allowance
+        if slow:
+            return Verdict("slow", slow)
+        note = f"loud on ranks {[r.rank for r in louds]}" + (
+            f", the transport's error on ranks {[r.rank for r in ended]}" if ended else "")
+        return Verdict("loud", f"{note}; {_statuses(run)}")
     missing = _missing(run, plain)
     if missing:
         return Verdict("missing", missing)
