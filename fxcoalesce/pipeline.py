@@ -212,7 +212,7 @@ def _run_pass(pass_name: str, fn, work: GraphModule, cfg: Config, graph_name: st
     # what stays as the program has it (the run-time check's place), handed to the pass: a
     # pass may move such an all_reduce past what keeps its size (linearity), so it is read
     # off the graph as it is now
-    pinned = checked.pinned([n for n in work.graph.nodes if is_collective(n)], cfg.run_checks)
+    pinned = checked.pinned(list(analyze(work).scan.sequence), cfg.run_checks)
     result = fn(work, cfg=cfg, pinned=pinned)
     state = graph_state(work.graph)
     if not (linted and same_state(linted[0], state)):

@@ -76,6 +76,7 @@ from .decide import Decider
 from .emit import Emitter, place
 from .layout import RESHAPES, SAME_VALUE, VIEWS, layout_chain, layout_source, restorable
 from .result import Bucket, PassResult
+from fxcoalesce.checked import pinned as checked_pinned
 from fxcoalesce.checked import pinned_blocks
 
 aten = torch.ops.aten
@@ -568,6 +569,8 @@ def linearity_pass(gm: GraphModule, *, cfg: Config, pinned: frozenset = frozense
 def _linearity_round(gm: GraphModule, cfg: Config, pinned: frozenset) -> PassResult:
     result = PassResult()
     analysis = analyze(gm)
+    if pinned:  # an earlier round may have moved one past its chain: it keeps its pin
+        pinned = checked_pinned(list(analysis.scan.sequence), True)
     keep = pinned_blocks(analysis.scan, pinned)
     # each all_reduce as the node a tree of adds reads it through: its chain's end
     members = {}

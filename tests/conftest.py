@@ -37,7 +37,8 @@ def one_thread():
 
 SLOWEST_FIRST = ("test_ranks.py", "test_inspect_compose.py", "test_rank_order.py",
                  "test_dynamic.py", "test_codegen.py", "test_smollm2.py", "test_fuzz_ranks.py",
-                 "test_rank_safety.py", "test_job_life.py", "test_smollm2_spec.py",
+                 "test_rank_safety.py", "test_rank_classes.py", "test_job_life.py",
+                 "test_smollm2_spec.py",
                  "test_cli.py", "test_compile_cache.py", "test_train_draft.py",
                  "test_compile_modes.py", "test_agreement.py", "test_notebook.py",
                  "test_models_compile.py", "test_eagle3.py", "test_property_ranks.py",

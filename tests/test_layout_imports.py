@@ -30,7 +30,8 @@ def _name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-MODULES = {_name(p): p for d in ("fxcoalesce", "passes", "models") for p in (ROOT / d).rglob("*.py")}
+MODULES = {_name(p): p for d in ("fxcoalesce", "passes", "models")
+           for p in (ROOT / d).rglob("*.py")}
 
 
 def _imports(module: str, path: Path) -> set[str]:
@@ -73,7 +74,8 @@ def test_ranks_reach_the_passes_through_the_pipeline_only():
 
 def test_a_back_edge_is_found():
     """The check has teeth: a pass that imported the rank layer would be named."""
-    assert ORDER.index(layer("fxcoalesce.ranks.tag")) > ORDER.index(layer("fxcoalesce.passes.bucket"))
+    assert ORDER.index(layer("fxcoalesce.ranks.tag")) > ORDER.index(
+        layer("fxcoalesce.passes.bucket"))
     assert layer("fxcoalesce.checked") == "core" and layer("fxcoalesce.compile_cache") == \
         "graph_compile"
 

@@ -19,6 +19,7 @@ import datetime
 import threading
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -151,6 +152,17 @@ def _class_3(rank, world, plain):
 
 
 def test_3_two_threads_with_their_own_groups_compile_in_any_order():
+    """No wait to a timeout (once: 40 s, agree_timeout_s, inside Dynamo's compile lock) and
+    no warning that blames a peer; against plain's own time: the slow test below."""
+    ours = spawn(_class_3, 2, (False,), backend="gloo", timeout=600,
+                 group_timeout_s=GROUP_TIMEOUT_S)
+    for ok, took, warned in ours:
+        assert ok == [True, True] and took < 0.25 * GROUP_TIMEOUT_S, ours
+        assert warned == [], warned
+
+
+@pytest.mark.slow
+def test_3_two_threads_first_call_within_twice_plains():
     plain = spawn(_class_3, 2, (True,), backend="gloo", timeout=600,
                   group_timeout_s=GROUP_TIMEOUT_S)
     ours = spawn(_class_3, 2, (False,), backend="gloo", timeout=600,
@@ -158,8 +170,7 @@ def test_3_two_threads_with_their_own_groups_compile_in_any_order():
     assert all(r[0] == [True, True] for r in plain + ours), (plain, ours)
     slowest_plain = max(r[1] for r in plain)
     for ok, took, warned in ours:
-        assert took < max(2 * slowest_plain, slowest_plain + 10), (took, slowest_plain)
-        assert warned == [], warned
+        assert took < max(2 * slowest_plain, slowest_plain + 5), (took, slowest_plain)
 
 
 # --- 4. a SymInt step read on rank 0 only, under dynamic=True ---

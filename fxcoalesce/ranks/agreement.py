@@ -460,7 +460,8 @@ def cut_at() -> str | None:
         return None
     frame = reason.user_stack[-1]
     why = str(reason.reason).strip().splitlines()[0] if reason.reason else "a graph break"
-    return f"{os.path.basename(frame.filename)}:{frame.lineno}: {(frame.line or '').strip()} ({why})"
+    code = (frame.line or "").strip()
+    return f"{os.path.basename(frame.filename)}:{frame.lineno}: {code} ({why})"
 
 
 VALUE_GUARDS = ("CONSTANT_MATCH", "EQUALS_MATCH")
