@@ -119,8 +119,10 @@ def backend(config: Config | None = None, *, on_graph: Callable | None = None,
     from fxcoalesce.passes import check_config
 
     from .ranks.agreement import announce
+    from .ranks.hooks import watch_dynamo
 
     announce()  # where this rank runs: peers see at once if it dies before compiling
+    watch_dynamo()  # a frame Dynamo skips before any graph compiles is heard too
     cfg = _with_env_dump(_checked(config))
     check_config(cfg)
     if config is None or config.cost == Config().cost:
@@ -191,9 +193,14 @@ class FxCoalescePass(CustomGraphPass):
     def __init__(self, config: Config | None = None):
         from fxcoalesce.passes import check_config
 
+        from .ranks.agreement import announce
+        from .ranks.hooks import watch_dynamo
+
         self.config = config or Config()
         check_config(self.config)
         self.check_ranks = self.config.check_ranks or env_flag(CHECK_RANKS_ENV)
+        announce()
+        watch_dynamo()
 
     def __call__(self, graph: Graph) -> None:
         gm = graph.owning_module
