@@ -334,6 +334,8 @@ class RankEnv:
     """Functions whose rewritten graphs this rank runs in the program's own order for good."""
     cuts: dict = field(default_factory=dict)
     """Frame -> the cuts this rank compiled it with (a function cut two ways: :func:`varied`)."""
+    agreed: set = field(default_factory=set)
+    """Functions this rank has agreed a graph of in this store."""
 
 
 @dataclass(slots=True)
@@ -551,8 +553,9 @@ def agree_graph(name: str, cfg: Config, steps: list[Step], program: Sequence,
     (:func:`guard_keys`) go into the proposal."""
     env = env or process_env()
     ex = env.exchange
-    seen(env.cuts, frame, cut)
     fam = family(frame) if frame else ""
+    later = bool(fam) and fam in env.agreed  # a recompile or re-cut of a function
+    seen(env.cuts, frame, cut)
     marked = bool(fam) and fam in env.rewritten
     canon, prog, texts = canonical(program, *sequences)
     groups = [g for g in canon.roles if g is not None]
@@ -575,7 +578,7 @@ def agree_graph(name: str, cfg: Config, steps: list[Step], program: Sequence,
     committed = mine is not None and mine.rewritten
     if mine is None:
         mine = env.local[d] = _Local()
-    elif not (mine.active is None and evident and not check_ranks):
+    elif not (mine.active is None and evident and (later or not check_ranks)):
         mine.round += 1
     key = d if mine.round == 1 else f"{d}.{mine.round}"
     run = _Run(name, cfg, env, key, steps, program, canon, check_ranks)
@@ -587,9 +590,12 @@ def agree_graph(name: str, cfg: Config, steps: list[Step], program: Sequence,
         "marked": marked, "varied": varied(env.cuts, frame),
         "steps": [{"seq": t, "ws": w} for t, w in zip(texts, workspaces)]})
     ex.note({"d": key, "pos": run.proposal["pos"], "cut": cut})
-    if evident and not check_ranks and not committed and not marked:
-        # every step issues the program's sequence here: so does any decision
+    if evident and not committed and not marked and (later or not check_ranks):
+        # every step issues the program's sequence here: so does any decision (with
+        # check_ranks, a function's first graph is compared all the same)
         run.noted(texts[0])
+        if fam:
+            env.agreed.add(fam)
         return Outcome(0, Agreement(compared=True, step=steps[-1].label, how="no wait",
                                     ranks=[ex.rank]), key=d, digests=digests)
     entry, how, waited = run.wait()
@@ -616,6 +622,8 @@ def agree_graph(name: str, cfg: Config, steps: list[Step], program: Sequence,
     mine.entry["active_step"] = out.step
     if fam and digests[out.step] != digests[-1]:
         env.rewritten.add(fam)
+    if fam:
+        env.agreed.add(fam)
     run.noted(texts[out.step])
     return out
 
