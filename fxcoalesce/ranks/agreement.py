@@ -349,6 +349,7 @@ class Process:
     """Stores used, kept alive (a freed store's id could come back)."""
     retired: set = field(default_factory=set)
     cuts: dict = field(default_factory=dict)
+    alone: set = field(default_factory=set)
     max_id: int = 0
 
 
@@ -367,7 +368,8 @@ def process_env() -> RankEnv:
         PROCESS.env = RankEnv(ex, members=lambda g: dist.get_process_group_ranks(resolve(g)),
                               position=lambda g: position(resolve(g)),
                               timeout=lambda g: group_timeout_s(resolve(g)),
-                              retired=PROCESS.retired, cuts=PROCESS.cuts)
+                              retired=PROCESS.retired, cuts=PROCESS.cuts,
+                              alone=PROCESS.alone)
     return PROCESS.env
 
 
@@ -401,7 +403,9 @@ def positions() -> dict[str, int]:
 
 def group_timeout_s(group) -> float | None:
     """A process group's own timeout for a collective, in seconds (None if unknown)."""
-    for device in getattr(group, "_device_types", None) or ["cpu"]:
+    import torch
+
+    for device in getattr(group, "_device_types", None) or [torch.device("cpu")]:
         try:
             return group._get_backend(device).options._timeout.total_seconds()
         except Exception:  # a backend without options (fake, custom): nothing to bound by
@@ -769,16 +773,23 @@ class _Run:
                           "how": how, "why": why, "differences": []})
 
     def _uncompiled(self, missing: list[int]) -> tuple[str, str] | None:
-        """A missing peer runs this function uncompiled from at or before where this graph
-        starts (Dynamo skipped it there: its note, ``hooks``)."""
+        """A missing peer's Dynamo is done with this function at or before where this graph
+        starts without proposing it (``hooks``): it runs it uncompiled from there, or it
+        compiled it from here cut otherwise, before any collective (a disabled call first)."""
         pos = self.proposal["pos"]
         for q in missing:
-            for s in self.ex.skips(q):
-                if s["fam"] == self.family and all(
-                        s["pos"].get(g, -1) <= at for g, at in pos.items() if at is not None):
-                    return "runs uncompiled", (
-                        f"rank {q} runs {s['fam'].split('@')[0]} uncompiled (Dynamo skipped "
-                        "it there)")
+            for s in self.ex.frames(q):
+                if s["fam"] != self.family:
+                    continue
+                theirs = [(s["pos"].get(g, -1), at) for g, at in pos.items() if at is not None]
+                name = s["fam"].split("@")[0]
+                if s["how"] == "skipped" and all(p <= at for p, at in theirs):
+                    return "runs uncompiled", (f"rank {q} runs {name} uncompiled (Dynamo "
+                                               "skipped it there)")
+                if s["how"] == "compiled" and theirs and all(p == at for p, at in theirs) and (
+                        self.ex.proposal(self.d, q) is None):
+                    return "cut differently", (f"rank {q} compiled {name} from here without "
+                                               "this graph (it cut it before any collective)")
         return None
 
     def _busy(self, missing: list[int]) -> tuple[str, str] | None:
@@ -802,13 +813,18 @@ class _Run:
             for line in _folded(self.ex.notes(q)):
                 for g, at in pos.items():
                     theirs, issued = line["pos"].get(g), line.get("m", {}).get(g)
-                    if line["d"] == self.d or at is None or theirs is None or not (
-                            theirs == at or issued and theirs < at < theirs + issued):
+                    if line["d"] == self.d or at is None or theirs is None:
                         continue
-                    where = (f": it cut its graph at {line['cut']}" if line.get("cut") else
-                             f": this rank cut its graph at {self.cut}" if self.cut else "")
-                    return "cut differently", (f"rank {q} runs collective {at} of group {g} "
-                                               f"in another graph{where}")
+                    if theirs > at:  # positions only grow: it is past this graph's start
+                        return "runs uncompiled", (
+                            f"rank {q} compiled a graph from collective {theirs} of group {g}: "
+                            f"it ran collective {at} outside a graph it compiled (eagerly, "
+                            "a disabled function, or a frame Dynamo skipped)")
+                    if theirs == at or issued and theirs < at < theirs + issued:
+                        where = (f": it cut its graph at {line['cut']}" if line.get("cut") else
+                                 f": this rank cut its graph at {self.cut}" if self.cut else "")
+                        return "cut differently", (f"rank {q} runs collective {at} of group "
+                                                   f"{g} in another graph{where}")
         return None
 
     def noted(self, texts: list[str]) -> None:

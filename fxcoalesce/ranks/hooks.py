@@ -99,6 +99,25 @@ def _heard(result, frame, uncompiled: str | None) -> None:
         runs_uncompiled(frame, str(reason), result)
     elif code is not None and _runs_original(code, frame.f_code):
         runs_uncompiled(frame, "compiled only up to a graph break, the rest uncompiled")
+    elif code is not None:
+        _note(frame, "compiled")
+
+
+def _note(frame, how: str):
+    """Say in the store that Dynamo is done with ``frame`` here (``how``: "skipped" or
+    "compiled"), and where this rank stands: a peer waiting for a graph of that function from
+    that place, which this rank did not propose, stops waiting. The env, or None."""
+    if (is_torch_file(frame.f_code.co_filename) or not dist.is_initialized()
+            or PROCESS.env is None):  # (PROCESS.env: this process made a backend)
+        return None
+    try:
+        if dist.get_backend() == "fake" or dist.get_world_size() < 2:
+            return None
+        env = process_env()  # a group made anew is joined here
+        env.exchange.framed(family(code_key(frame.f_code)), positions(), how)
+        return env
+    except Exception:  # the store went with a peer: its collectives fail as plain's would
+        return None
 
 
 def runs_uncompiled(frame, reason: str, result=None) -> None:
@@ -107,18 +126,9 @@ def runs_uncompiled(frame, reason: str, result=None) -> None:
     skip the code for good, and its later uncompiled runs would pass unseen): the next call
     goes through Dynamo again, and runs a compiled graph where its guards pass (a call that
     raised the user's own exception at a shape its graphs do not have, then good input)."""
-    if ("skipfiles" in reason or is_torch_file(frame.f_code.co_filename)
-            or not dist.is_initialized() or PROCESS.env is None):
-        return  # (PROCESS.env: this process made a backend; a group made anew is joined here)
+    env = None if "skipfiles" in reason else _note(frame, "skipped")
     fam = family(code_key(frame.f_code))
-    try:
-        if dist.get_backend() == "fake" or dist.get_world_size() < 2:
-            return
-        env = process_env()
-        env.exchange.skipped(fam, positions())
-    except Exception:  # the store went with a peer: its collectives fail as plain's would
-        return
-    if fam in env.rewritten and fam not in env.retired:
+    if env is not None and fam in env.rewritten and fam not in env.retired:
         if result is not None and hasattr(result, "apply_to_code"):
             result.apply_to_code = False
         Uncompiled(frame, fam, _limit(frame.f_code) or reason).arm()

@@ -5,8 +5,8 @@ peer's data collective.
 Under ``fxcoalesce/agree/v2/<restart>/``: ``<D>/p/<rank>`` a rank's first proposal for
 program key D (never overwritten); ``<D>/d`` the register of decision entries (a JSON list,
 extended by compare-and-set); ``log/<rank>`` every graph a rank proposed and where it starts
-in each group's stream; ``skips/<rank>`` the functions Dynamo runs uncompiled on that rank,
-and where; ``waits/<rank>`` the key a rank waits on now and for whom; ``pid/<rank>`` where the
+in each group's stream; ``frames/<rank>`` the functions Dynamo compiled or runs uncompiled on
+that rank, and where; ``waits/<rank>`` the key a rank waits on now and for whom; ``pid/<rank>`` where the
 rank runs; ``ids`` the tag-id counter.
 """
 
@@ -86,13 +86,14 @@ class Store:
     def notes(self, rank: int) -> list[dict]:
         return self._lines("log", rank)
 
-    def skipped(self, family: str, positions: dict) -> None:
-        """Dynamo runs ``family`` uncompiled on this rank from ``positions`` on (``hooks``)."""
-        self.store.append(self.key("skips", self.rank),
-                          json.dumps({"fam": family, "pos": positions}) + "\n")
+    def framed(self, family: str, positions: dict, how: str) -> None:
+        """Dynamo is done with a frame of ``family`` on this rank at ``positions``: it runs it
+        uncompiled (``how`` "skipped") or compiled it ("compiled") (``hooks``)."""
+        self.store.append(self.key("frames", self.rank),
+                          json.dumps({"fam": family, "pos": positions, "how": how}) + "\n")
 
-    def skips(self, rank: int) -> list[dict]:
-        return self._lines("skips", rank)
+    def frames(self, rank: int) -> list[dict]:
+        return self._lines("frames", rank)
 
     def waits(self, d: str | None, missing: list[int] = ()) -> None:
         """Say that this rank waits on key ``d`` for the proposals of ``missing`` (None: no
