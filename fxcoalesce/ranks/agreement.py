@@ -28,10 +28,8 @@ log = logging.getLogger("fxcoalesce")
 DEFAULT_TIMEOUT_S = 120.0
 TIMEOUT_ENV = "FXCOALESCE_AGREE_TIMEOUT"
 RECUT_WAIT_S = 10.0
-"""The longest wait for peers' proposals for a later graph of a function this rank runs
-rewritten: where every rank recompiles (a new shape) they come within compile skew; where this
-rank alone re-cut, they never come (its peers sit in the rewritten graph), and the graph runs
-the program's order, tagged: its first pairing with a peer's rewrite fails on both."""
+"""The wait for a later graph of a function this rank runs rewritten: where every rank
+recompiles, the peers come within compile skew; where this rank re-cut alone, never."""
 POLL_S = (0.002, 0.05)
 FRESH = ("agreed", "fell back")
 """Entries made from every rank's proposal, read while every rank waits for them."""
@@ -47,8 +45,7 @@ class Step:
     label: str
     config: Config
     without_symm: bool = False
-    """A copy of the step before it without symmetric memory: taken only when preparing
-    symmetric memory failed (on every rank alike) for the step before it."""
+    """The step before it without symmetric memory (where preparing it failed, on all)."""
 
 
 def ladder(cfg: Config) -> list[Step]:
@@ -98,8 +95,7 @@ def has_peers(sequence: Sequence) -> bool:
 
 
 def must_compare(program: Sequence, all_reduces: int, cfg: Config, check_ranks: bool) -> bool:
-    """Do ranks agree on this graph? A function of the program's own sequence and ``cfg``
-    only, so every rank answers alike."""
+    """Do ranks agree on this graph? (The program's sequence and ``cfg`` only: alike.)"""
     from ..pipeline import changes_sequence
 
     return has_peers(program) and (check_ranks or (all_reduces > 0 and changes_sequence(cfg)))
@@ -131,9 +127,8 @@ _BRACKETS = re.compile(r"\[[^\]]*\]")
 
 @dataclass(slots=True)
 class Canon:
-    """Renames one rank's groups by role (order of first use) and its size symbols by order
-    of first appearance: Dynamo names a size after the first input that has it, which
-    differs by rank; what a size *is* does not."""
+    """One rank's groups named by role (order of first use), its size symbols by order of
+    appearance (Dynamo names a size after the first input that has it: by rank)."""
 
     roles: dict[str | None, str] = field(default_factory=dict)
     symbols: dict[str, str] = field(default_factory=dict)
@@ -159,8 +154,7 @@ class Canon:
 
 
 def canonical(program: Sequence, *others: Sequence) -> tuple[Canon, list[str], list[list[str]]]:
-    """``program`` and ``others`` in one rank-invariant form (a symbol only one of ``others``
-    has is numbered within it)."""
+    """``program`` and ``others`` in one rank-invariant form."""
     canon = Canon()
     prog = canon.sequence(program)
     return canon, prog, [Canon(dict(canon.roles), dict(canon.symbols)).sequence(s)
@@ -240,8 +234,7 @@ def _shown(text: str, names: list[str]) -> str:
 
 
 def _guarded_apart(proposals: dict[int, dict]) -> str | None:
-    """A guard one rank's graph has and another's lacks (a value read under ``if rank ==
-    0:``): that rank alone recompiles when the value changes."""
+    """A guard one rank's graph has and another's lacks: it recompiles alone."""
     ranks = sorted(proposals)
     sets = {r: set(proposals[r].get("guards", ())) for r in ranks}
     for r in ranks[1:]:
@@ -306,8 +299,7 @@ class Agreement:
 
 @dataclass(slots=True)
 class _Local:
-    """What this process knows of one program key: the round of agreement, and the sequence
-    it issues for the key's graphs (None: not committed)."""
+    """One program key here: its round, and the sequence this rank issues for it."""
 
     round: int = 1
     active: str | None = None
@@ -340,13 +332,12 @@ class RankEnv:
 
 @dataclass(slots=True)
 class Process:
-    """This process's rank state, in one object: the env of the current default group's
-    store, and what outlives a group (Dynamo's compiled graphs do)."""
+    """This process's rank state, in one object: the current store's env, and what outlives
+    a group (as Dynamo's compiled graphs do)."""
 
     env: RankEnv | None = None
     store_id: int = 0
-    stores: list = field(default_factory=list)
-    """Stores used, kept alive (a freed store's id could come back)."""
+    stores: list = field(default_factory=list)  # kept alive: a freed one's id could return
     retired: set = field(default_factory=set)
     cuts: dict = field(default_factory=dict)
     alone: set = field(default_factory=set)
@@ -374,8 +365,7 @@ def process_env() -> RankEnv:
 
 
 def announce() -> None:
-    """Say in the default group's store where this rank runs (when a backend is made), so a
-    peer waiting for it can tell at once that its process died before compiling."""
+    """Say where this rank runs (a backend is made): its death is seen before it compiles."""
     try:
         if dist.is_initialized() and dist.get_backend() != "fake" and dist.get_world_size() > 1:
             process_env()
@@ -416,8 +406,7 @@ def group_timeout_s(group) -> float | None:
 # --- what Dynamo says of the graph being compiled ---
 
 def frame_identity() -> str:
-    """The Python function Dynamo is compiling ("name@file:first line"), "" outside a
-    compile. A graph break's second part is a function of its own."""
+    """The function Dynamo is compiling ("name@file:first line"), "" outside a compile."""
     from torch._guards import TracingContext
 
     ctx = TracingContext.try_get()
@@ -441,8 +430,8 @@ def family(frame: str) -> str:
 
 
 def _inside(alone: set) -> str | None:
-    """The function of ``alone`` that a frame on this thread's stack runs, if any: a graph
-    compiled inside a call of it is as likely to be compiled on this rank alone."""
+    """The function of ``alone`` on this thread's stack, if any (a graph compiled inside it
+    is as likely compiled on this rank alone)."""
     import sys
 
     f = sys._getframe(1)
@@ -633,8 +622,7 @@ def agree_graph(name: str, cfg: Config, steps: list[Step], program: Sequence,
 
 
 def without_symm(outcome: Outcome, env: RankEnv | None = None) -> Outcome:
-    """``outcome`` moved to its step without symmetric memory (preparing it failed, on every
-    rank alike): this process issues that step's sequence for the key from now on."""
+    """``outcome`` at its step without symmetric memory (preparing it failed, on all)."""
     step = outcome.nosymm if outcome.nosymm is not None else len(outcome.digests) - 1
     mine = (env or process_env()).local[outcome.key]
     mine.active, mine.entry["active_step"] = outcome.digests[step], step

@@ -24,8 +24,7 @@ log = logging.getLogger("fxcoalesce")
 
 @dataclass(slots=True)
 class Agreed:
-    """One ATen graph after the agreement: the graph to compile, its report, and what a
-    later cache hit needs to agree again (the program's and every step's sequence)."""
+    """One ATen graph after the agreement, and what a later cache hit needs to agree again."""
 
     graph: object
     report: Report
@@ -63,9 +62,8 @@ def prepared(outcome: Outcome, cfg: Config, sequences: list[Sequence], name: str
 def rewrite_agreed(gm, cfg: Config, name: str, check_ranks: bool, *,
                    frame: str | None = None, cut: str | None = None,
                    guards: list[str] | None = None, agreement: dict | None = None) -> Agreed:
-    """The pipeline on ``gm`` at the step the ranks agree on (``graph_compile.rewrite`` calls it
-    where a pass could change the sequence and a real peer exists). ``agreement``: what the
-    report says of it, where an earlier attempt of this compile agreed."""
+    """The pipeline on ``gm`` at the step the ranks agree on (``graph_compile`` calls it where a
+    pass could change the sequence and a real peer exists); ``agreement``: an earlier try's."""
     program = program_sequence(gm.graph)
     t0 = time.perf_counter()
     steps, built = ladder_runs(gm, cfg, name, program)
@@ -121,8 +119,7 @@ def ladder_runs(gm, cfg: Config, name: str, program: Sequence) -> tuple[list, li
 
 
 def tagged(gm, new, outcome: Outcome, name: str, world: Callable | None = None):
-    """``new`` with its run-time tag where the decision says so (``outcome.tagged``), else
-    ``new`` as it is. ``world(group name)``: a group's size (by default the process group's)."""
+    """``new``, tagged where the decision says so; ``world(group)``: a group's size."""
     if not (outcome.tagged and outcome.tag):
         return new
     size = world or (lambda g: resolve(g).size())

@@ -1,24 +1,16 @@
-"""The hooks that hear Dynamo: a frame it runs uncompiled on this rank (a skip at a recompile,
-the recompile limit, a compile that failed, a graph break it cannot resume from).
+"""The hooks that hear Dynamo: what it made of every frame on this rank, in this rank's thread.
 
-Two things follow, both in this rank's own thread and nothing else:
-
-- *A note in the store* (``store.skipped``): a peer waiting for this rank's proposal for a
-  graph of that function stops waiting at once ("runs uncompiled", ``agreement``).
-- *Where this rank runs a rewritten graph of that function* (its peers may run it there now),
-  the uncompiled call is watched until it returns (:class:`Uncompiled`): its collectives are
-  seen as the function issues them, and the one where a tag goes in a rewritten graph
-  (``fxcoalesce.checked.Firsts``) carries :data:`~.store.RESERVED_ID` instead. Where every
-  peer runs the call uncompiled too, they all sent it: the check holds, the function's
-  rewritten graphs retire on every rank of the pairing, and the call goes on, right, as under
-  plain. Where a peer runs the rewritten graph, both checks fail: this rank raises
-  ``CollectiveMismatchError`` there and the peer fails its own check. Nothing happens before
-  that collective: a user's exception raised earlier reaches the user unchanged, and a call
-  that issues no collective is no event.
-
-The collectives are seen through the functional collectives' op packets and ``dist``'s own
-functions, replaced for the length of that call only and for this thread only (a dispatch
-mode would make Dynamo skip every frame it meets meanwhile, for good).
+- Each frame Dynamo is done with is noted in the store (``store.framed``: compiled or skipped,
+  and where): a peer waiting for a graph this rank will not propose stops waiting.
+- A frame it runs uncompiled (a skip, the recompile limit, a failed compile, a graph break it
+  cannot resume from) where this rank runs the function rewritten is watched for that call
+  (:class:`Uncompiled`): the all_reduce where a rewritten graph carries its tag
+  (``checked.Firsts``) carries :data:`~.store.RESERVED_ID`. Every peer uncompiled too: the
+  check holds, the rewrite retires, the call goes on right. A peer runs the rewrite: both
+  checks fail there. Nothing happens before that collective (a user's exception raised
+  earlier reaches the user; a call with no collective is no event). Collectives are seen
+  through the functional ops' packets and ``dist``'s functions, swapped for that call and
+  thread only (a dispatch mode would make Dynamo skip every frame it meets, for good).
 """
 
 from __future__ import annotations

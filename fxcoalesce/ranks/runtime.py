@@ -1,16 +1,9 @@
-"""What a graph the ranks agreed on does at every call, before it issues anything.
-
-    compiled = Guarded(compiled, graphs, job, gm)   # graph_compile wraps what it compiled
-    out = compiled(*args)
-
-- *A process group made anew* under Dynamo's cached graphs (its guards pass): the default
-  group is another object (one attribute read a call), and the wrapper agrees again in the
-  new store before issuing anything, offering only what it can run now: the step it compiled,
-  or the program's own order (:class:`ProgramOrder`, the Dynamo graph run eagerly).
-- *Retired* (every rank of a pairing ran the function uncompiled, ``hooks``; or its cut
-  varied, ``agreement``): the program's own order, untagged, for good.
-- *A failed tag check* surfaces as ``CollectiveMismatchError`` (on CPU; on CUDA a
-  device-side assert stops the process).
+"""What a graph the ranks agreed on does at every call, before it issues anything
+(``Guarded``, made by ``graph_compile``): a process group made anew (one attribute read a
+call) makes it agree again in the new store, offering only what it can run now (its step, or
+the program's own order: :class:`ProgramOrder`, the Dynamo graph run eagerly); a retired
+function runs the program's order for good; a failed tag check surfaces as
+``CollectiveMismatchError`` (on CUDA a device-side assert stops the process).
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ Under ``fxcoalesce/agree/v2/<restart>/``: ``<D>/p/<rank>`` a rank's first propos
 program key D (never overwritten); ``<D>/d`` the register of decision entries (a JSON list,
 extended by compare-and-set); ``log/<rank>`` every graph a rank proposed and where it starts
 in each group's stream; ``frames/<rank>`` the functions Dynamo compiled or runs uncompiled on
-that rank, and where; ``waits/<rank>`` the key a rank waits on now and for whom; ``pid/<rank>`` where the
-rank runs; ``ids`` the tag-id counter.
+that rank, and where; ``waits/<rank>`` the key a rank waits on, for whom; ``pid/<rank>``
+where it runs; ``ids`` the tag-id counter.
 """
 
 from __future__ import annotations
@@ -31,8 +31,7 @@ class Store:
     def __init__(self, store, rank: int, ns: str | None = None):
         self.store, self.rank, self.ns = store, rank, ns or namespace()
         self.floor = 0
-        """The largest tag id this process used in an earlier store: ids here start past it
-        (a group made anew keeps Dynamo's compiled graphs, and their ids)."""
+        """The largest tag id this process used in an earlier store: ids here start past it."""
         self._joined = False
 
     def key(self, *parts) -> str:
@@ -87,8 +86,8 @@ class Store:
         return self._lines("log", rank)
 
     def framed(self, family: str, positions: dict, how: str) -> None:
-        """Dynamo is done with a frame of ``family`` on this rank at ``positions``: it runs it
-        uncompiled (``how`` "skipped") or compiled it ("compiled") (``hooks``)."""
+        """Dynamo is done with a frame of ``family`` here at ``positions`` (``how``: "skipped"
+        or "compiled")."""
         self.store.append(self.key("frames", self.rank),
                           json.dumps({"fam": family, "pos": positions, "how": how}) + "\n")
 
@@ -96,8 +95,7 @@ class Store:
         return self._lines("frames", rank)
 
     def waits(self, d: str | None, missing: list[int] = ()) -> None:
-        """Say that this rank waits on key ``d`` for the proposals of ``missing`` (None: no
-        longer)."""
+        """This rank waits on key ``d`` for ``missing``'s proposals (None: no longer)."""
         self.store.set(self.key("waits", self.rank), json.dumps([d, list(missing)]))
 
     def waiting(self, rank: int) -> tuple[str | None, list[int]]:
@@ -105,8 +103,7 @@ class Store:
         return (got[0], got[1]) if got else (None, [])
 
     def announce(self) -> None:
-        """Say where this rank runs (host, pid), so a waiting peer on its host can tell at
-        once that its process is gone."""
+        """Say where this rank runs (host, pid): a peer on its host sees its death at once."""
         self.store.set(self.key("pid", self.rank),
                        json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
 
