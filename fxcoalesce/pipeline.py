@@ -14,9 +14,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 from torch._logging import trace_structured
-from torch.fx import Graph, GraphModule, Node
-from torch.fx.immutable_collections import immutable_dict
-from torch.fx.node import map_arg
+from torch.fx import Graph, GraphModule
 from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
 
 from . import checked
@@ -24,7 +22,7 @@ from .analysis import analysis_cache, analyze, graph_state, remapped, remember, 
 from .config import Config
 from .cost import Roofline, carry_estimates, compute_prefix, graph_device
 from .collectives import group_setup, is_collective
-from .meta import ORIGIN, REPLACES, is_torch_file, user_frame
+from .meta import ORIGIN, REPLACES, fast_graph_copy, is_torch_file, user_frame
 from .report import Report, build_report, collective_modules, record
 
 log = logging.getLogger("fxcoalesce")
@@ -46,7 +44,7 @@ def copy_graph_module(gm: GraphModule, nodes: dict | None = None) -> GraphModule
     graph = Graph()
     nodes = {} if nodes is None else nodes
     if _FAST_COPY and _fast_copy_on():
-        out = _graph_copy(gm.graph, graph, nodes)
+        out = fast_graph_copy(gm.graph, graph, nodes)
     else:
         out = graph.graph_copy(gm.graph, nodes)
     # Inductor keeps facts on the output node (user-visible outputs and their strides)
@@ -66,33 +64,6 @@ def _fast_copy_on() -> bool:
 
 _FAST_COPY = all(hasattr(Graph(), a) for a in ("_graph_namespace", "_insert",
                                                  "_find_nodes_lookup_table", "_len"))
-
-
-def _graph_copy(src: Graph, dst: Graph, nodes: dict[Node, Node]):
-    """``dst.graph_copy(src, nodes)`` for a new ``dst`` (no owning module, so no node hooks),
-    each node made as ``Graph.create_node`` makes it but without its scan of the arguments
-    for raw SymInts (a pytree walk per node, half the copy's time): the arguments are
-    ``src``'s, which passed it when they were made."""
-    if dst.owning_module is not None or len(dst.nodes):
-        return dst.graph_copy(src, nodes)
-    namespace, table = dst._graph_namespace, dst._find_nodes_lookup_table
-    copy_of = nodes.__getitem__
-    for node in src.nodes:
-        if node in nodes:
-            continue
-        if node.op == "output":
-            return map_arg(node.args[0], copy_of)
-        args = map_arg(node.args, copy_of) if node.args else ()
-        kwargs = map_arg(node.kwargs, copy_of) if node.kwargs else immutable_dict()
-        name = namespace.create_name(node.name, None)
-        new = Node(dst, name, node.op, node.target, args, kwargs, node.type)
-        namespace.associate_name_with_obj(name, new)
-        dst._insert(new)
-        table.insert(new)
-        dst._len += 1
-        new.meta = copy.copy(node.meta)
-        nodes[node] = new
-    return None
 
 
 @contextlib.contextmanager
