@@ -24,7 +24,7 @@ from .pipeline import next_graph_name
 from .errors import CollectiveMismatchError
 from .report import record
 from .torch_internals import check_torch
-from .torch_releases import comm_reorder_options
+from .torch_internals import comm_reorder_options
 
 log = logging.getLogger("fxcoalesce")
 CHECK_RANKS_ENV = "FXCOALESCE_CHECK_RANKS"

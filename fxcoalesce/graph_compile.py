@@ -207,7 +207,7 @@ class GraphCompile:
         pre = self.user_pre_pass
         keyed = compile_cache.KeyedPass(pre, key)
 
-        from fxcoalesce.torch_releases import keep_mutation_renames
+        from fxcoalesce.torch_internals import keep_mutation_renames
 
         def inner_compile(graph_module, inputs, **kwargs):
             # the FX graph cache keys on the rewritten graph and on ``keyed``

@@ -627,3 +627,20 @@ def _reset() -> None:
     """Forget the decision (tests that fake a torch version)."""
     with _LOCK:
         _STATE.clear()
+
+
+def comm_reorder_options() -> dict:
+    """``torch_releases.comm_reorder_options``, {} where its canary failed."""
+    from .torch_releases import comm_reorder_options as options
+
+    return {} if "comm-reorder" in disabled() else options()
+
+
+def keep_mutation_renames():
+    """``torch_releases.keep_mutation_renames``, nothing where its canary failed (a failed
+    canary turns the rewrites off with it)."""
+    import contextlib
+
+    from .torch_releases import keep_mutation_renames as keep
+
+    return contextlib.nullcontext() if "mutation-renames-backport" in disabled() else keep()

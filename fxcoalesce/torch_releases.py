@@ -48,10 +48,8 @@ def keep_mutation_renames():
     changes nothing."""
     import contextlib
 
-    from .torch_internals import disabled
-
-    if torch_version() >= MUTATION_RENAMES_KEPT_FROM or "mutation-renames-backport" in disabled():
-        return contextlib.nullcontext()  # a failed canary turns the rewrites off with it
+    if torch_version() >= MUTATION_RENAMES_KEPT_FROM:
+        return contextlib.nullcontext()
     return _kept_mutation_renames()
 
 
@@ -98,9 +96,7 @@ def torch_version() -> tuple[int, int]:
 def comm_reorder_options() -> dict:
     """Inductor's comm reordering passes, as ``torch.compile`` options, where they are right
     (torch 2.14+); {} before."""
-    from .torch_internals import disabled
-
-    if torch_version() < COMM_REORDER_RIGHT_FROM or "comm-reorder" in disabled():
+    if torch_version() < COMM_REORDER_RIGHT_FROM:
         return {}
     return {"reorder_for_compute_comm_overlap": True,
             "reorder_for_compute_comm_overlap_passes": list(COMM_REORDER_PASSES)}

@@ -141,7 +141,7 @@ def test_a_failed_canary_turns_off_exactly_what_it_guards(newer_torch, monkeypat
 def test_a_failed_comm_reorder_canary_keeps_the_rewrites(newer_torch, monkeypatch):
     from torch._inductor import comms
 
-    from fxcoalesce.torch_releases import comm_reorder_options
+    from fxcoalesce.torch_internals import comm_reorder_options
 
     monkeypatch.delattr(comms, "sink_waits")
     assert ti.disabled() == {"comm-reorder"}

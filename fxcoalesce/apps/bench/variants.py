@@ -142,7 +142,7 @@ def option_tiers(name: str, device: str, cudagraphs: bool) -> list[dict] | str:
     set no Inductor option of their own."""
     import torch
 
-    from fxcoalesce.torch_releases import comm_reorder_options
+    from fxcoalesce.torch_internals import comm_reorder_options
 
     known = set(torch._inductor.list_options())
     base = {"triton.cudagraphs": True} if cudagraphs else {}
