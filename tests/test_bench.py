@@ -306,8 +306,9 @@ def test_a_prediction_of_the_default_cost_model_says_so():
     rec = record()
     rec["gain"] = {"predicted_ms": 0.1, "measured_ms": 4.8, "error": 47.0, "model": "default"}
     text = bench_report.text_table(rec)
-    assert ("(+4700%; cost model: default, uncalibrated: all_reduce as a ring over PCIe "
-            "(NCCL's latencies, 20 GB/s), compute as a CPU roofline") in text
+    # no 47x "miss" printed for a model that was never calibrated here (issue 51)
+    assert "+4700%" not in text and "measured +4.800 ms a step; the default cost model is " \
+        "not calibrated for this machine, so its prediction is not compared" in text
     rec["gain"]["model"] = "profile.json"
     assert "(+4700%; cost model: profile.json)" in bench_report.text_table(rec)
 

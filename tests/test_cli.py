@@ -344,7 +344,7 @@ def test_inspect_writes_report(tmp_path):
         assert (tmp_path / name).read_text().endswith("\n"), name
     assert proc.stdout.endswith(f"wrote {tmp_path}/report.json, before.txt, after.txt\n")
     # the prediction says its model is the uncalibrated default, on the fake tensors' CPU
-    assert "model: default, uncalibrated: a ring over PCIe, compute a CPU roofline" in proc.stdout
+    assert "from the default model (uncalibrated: a ring over PCIe" in proc.stdout
     # progress on stderr: what is traced (its depth) and, after, how long it took
     assert f"tracing neox-tiny forward at TP 4 ({L} layers, 3 tokens)" in proc.stderr
     assert re.search(r"\n  traced in \d+\.\d s\n", proc.stderr), proc.stderr

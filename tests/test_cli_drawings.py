@@ -98,7 +98,7 @@ def test_timeline_uses_the_reports_cost_profile(capsys, monkeypatch, tmp_path):
     profile.write_text(json.dumps({"backend": "gloo", "device": "cpu", "world_size": 4,
                                    "alpha_us": 1000.0, "beta_us_per_byte": 0.0}))
     monkeypatch.setenv("FXCOALESCE_PROFILE", str(profile))
-    assert cli.main(["inspect", "--model", "neox-tiny", "--tp", "4", "--timeline",
+    assert cli.main(["inspect", "--model", "neox-tiny", "--tp", "4", "--timeline", "-v",
                      "--out", str(tmp_path / "o")]) == 0
     out = capsys.readouterr().out
     # the report's prediction read it too: the first row, the one the rewrite was chosen with

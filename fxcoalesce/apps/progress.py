@@ -3,7 +3,7 @@
     with Phase(say, "compiling the speculative step on 2 ranks"):
         step(...)                      # first call: Dynamo, AOTAutograd, the passes
     # compiling the speculative step on 2 ranks ...
-    #   still compiling the speculative step on 2 ranks, 20 s
+    #   still compiling the speculative step on 2 ranks, 10 s
     #   done in 31.2 s
 
     with Phase(say, "decoding greedily", total=64, unit="tokens") as p:
@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable
 
-HEARTBEAT_S = float(os.environ.get("FXCOALESCE_HEARTBEAT_S", "20"))
+HEARTBEAT_S = float(os.environ.get("FXCOALESCE_HEARTBEAT_S", "10"))
 """Seconds between "still ..." lines (FXCOALESCE_HEARTBEAT_S changes it, e.g. for tests)."""
 BAR_WIDTH = 24
 

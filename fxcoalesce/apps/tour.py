@@ -26,7 +26,7 @@ What the pass costs is measured where it is spent, inside each compile (the repo
 ``pass_cost_ms``: its pipeline and the ranks' agreement); a compile's total time follows the
 machine's load and what compiled before it in the process, so it is not compared here (nor
 warmed up for: bench's untimed warm-up compile is skipped). Rank 0 says on stderr what it
-compiles and decodes, a line at least every 20 s (``apps.progress``).
+compiles and decodes, a line at least every 10 s (``apps.progress``).
 """
 
 from __future__ import annotations

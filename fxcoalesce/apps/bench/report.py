@@ -139,11 +139,15 @@ def remarks(rec: dict) -> list[str]:
     lines += noise_remarks(rec)
     if said := _compile_caches(rec):
         lines.append(f"compile s: {HOW}; {said}")
-    if (g := rec.get("gain")) and g["error"] is not None:
-        model = uncalibrated(rec["device"]) if g["model"] == "default" else g["model"]
+    if (g := rec.get("gain")) and g["error"] is not None and g["model"] == "default":
+        lines.append(f"fxcoalesce vs inductor: measured {g['measured_ms']:+.3f} ms a step; the "
+                     "default cost model is not calibrated for this machine, so its "
+                     "prediction is not compared (`fxcoalesce calibrate --out p.json`, then "
+                     "`--profile p.json`)")
+    elif g and g["error"] is not None:
         lines.append(f"fxcoalesce vs inductor: measured {g['measured_ms']:+.3f} ms a step, the "
                      f"report predicted {g['predicted_ms']:+.3f} ms ({g['error']:+.0%}; cost "
-                     f"model: {model})")
+                     f"model: {g['model']})")
     for name, v in rec["variants"].items():
         if t := v.get("trace"):
             lines.append(f"{name}, profiler trace ({t['source']}, {t['file']}): collectives "

@@ -21,10 +21,6 @@ from fxcoalesce.apps.inspect.compose import Composed, compose, only_picked, plan
 from fxcoalesce.apps.inspect.profiles import predictions, read_as_is
 from fxcoalesce.apps.trace import Traced
 
-MERGE_LINES = 8
-"""Merge lines inspect prints before "... N more" (report.json has them all)."""
-
-
 def door(args) -> str:
     """"hf", "factory" or "zoo": which front door ``args`` name."""
     if args.hf:
@@ -178,45 +174,15 @@ def run_inspect(args, say: Callable[[str], None]) -> int:
     t, title, composed = trace_composed(args, say)
     _no_all_reduce(args, t)
     r = t.report
-    a = r.all_reduce
     check = _check(args, t)
     rows = predictions(t.before, t.after, args.tp, profile=args.profile,
                        predict_with=composed.predict if composed else None)
     print(title, file=out)
     if composed:
         print(f"  {composed.plan.text()}", file=out)
-    sent = a["bytes_after"] + check.bytes
-    print(_table([
-        ("all_reduce launches", launches_text(a)),
-        ("all_reduce bytes", f"{a['bytes_before']} -> {sent}"
-                             + (f"  ({a['bytes_after']} + {check.bytes} of the run-time check)"
-                                if check.bytes else "")),
-        ("run-time check", check.text()),
-        ("buckets", len(r.buckets)),
-        ("other collectives", r.other_collectives or "none"),
-        ("graph nodes", f"{r.nodes['before']} -> {r.nodes['after']}"),
-        ("pipeline time", f"{r.total_ms:.1f} ms in all"
-                          + (" for the traced layers" if composed else "")
-                          + f" (analysis {r.analysis_ms:.1f} ms, "
-                          + ", ".join(f"{p['name']} {p['ms']:.1f} ms" for p in r.passes)
-                          + ")"),
-        ("trace time", f"{t.seconds:.1f} s"),
-        ("verdict", r.verdict),
-    ]), file=out)
-    lines = [merge_line(b) for b in r.buckets]
-    if composed:  # FX names are the traced layers': the module paths are the model's own
-        lines = [re.sub(r"  \[[^\]]*\]$", "", line) for line in lines]
-    if lines:
-        print("  what it merged (module paths" + ("" if composed else ", FX names in brackets")
-              + "):", file=out)
-        shown = lines if len(lines) <= MERGE_LINES else lines[:MERGE_LINES - 1]
-        for line in shown:
-            print(f"    {line}", file=out)
-        if len(shown) < len(lines):
-            print(f"    ... {len(lines) - len(shown)} more (--out DIR: report.json)", file=out)
-    print_predictions(rows, args.tp, out)
-    for w in r.warnings:
-        print(f"  warning: {w}", file=out)
+    for line in (table_lines if args.verbose else summary_lines)(t, check, rows, args.tp,
+                                                                 composed is not None):
+        print(line, file=out)
     if args.out:
         directory = Path(args.out)
         directory.mkdir(parents=True, exist_ok=True)
@@ -239,21 +205,97 @@ def run_inspect(args, say: Callable[[str], None]) -> int:
     return 0
 
 
-def print_predictions(rows, tp: int, out) -> None:
+def _bytes_text(a: dict, check: CheckCost) -> str:
+    sent = a["bytes_after"] + check.bytes
+    return f"{a['bytes_before']} -> {sent}" + (
+        f"  ({a['bytes_after']} + {check.bytes} of the run-time check)" if check.bytes else "")
+
+
+def _merge_lines(r, composed: bool, limit: int) -> list[str]:
+    """What the pipeline merged, one line a bucket, at most ``limit`` (then "... N more")."""
+    lines = [merge_line(b) for b in r.buckets]
+    if composed:  # FX names are the traced layers': the module paths are the model's own
+        lines = [re.sub(r"  \[[^\]]*\]$", "", line) for line in lines]
+    if not lines:
+        return []
+    shown = lines if len(lines) <= limit else lines[:limit - 1]
+    out = ["  what it merged (module paths" + ("" if composed else ", FX names in brackets")
+           + "):"] + [f"    {line}" for line in shown]
+    if len(shown) < len(lines):
+        out.append(f"    ... {len(lines) - len(shown)} more (-v, or --out DIR: report.json)")
+    return out
+
+
+def summary_lines(t: Traced, check: CheckCost, rows, tp: int, composed: bool) -> list[str]:
+    """The default view, at most 15 lines (``-v``: :func:`table_lines`): the counts, the
+    verdict, one predicted time (the profile the rewrite was chosen with, named), what
+    merged, the time it took."""
+    r = t.report
+    a = r.all_reduce
+    other = ", ".join(f"{k} x{v}" for k, v in r.other_collectives.items()) or "none"
+    chosen = next(p for p in rows if p.chose)
+    far = " (measured at {} ranks, read as is)".format(chosen.world_size) if (
+        chosen.world_size not in (None, tp)) else ""
+    source = (f"{chosen.name}{far}" if chosen.source != "default" else
+              "the default model (uncalibrated: a ring over PCIe at 20 GB/s; `fxcoalesce "
+              "calibrate` measures yours)")
+    b, f = chosen.before, chosen.after
+    predicted = (f"{b['total']:.1f} -> {f['total']:.1f} µs of all_reduce a step, "
+                 f"{b['exposed']:.1f} -> {f['exposed']:.1f} not hidden by compute; from "
+                 f"{source}, which chose the rewrite")
+    lines = [_table([
+        ("all_reduce launches", launches_text(a)),
+        ("all_reduce bytes", _bytes_text(a, check)),
+        ("run-time check", check.text().split("; Config(")[0]),
+        ("other collectives", f"{other}; {len(r.buckets)} bucket(s)"),
+        ("verdict", r.verdict),
+        ("predicted", predicted),
+    ])]
+    lines += _merge_lines(r, composed, 4)
+    warned = f"; {len(r.warnings)} warning(s)" if r.warnings else ""
+    lines.append(f"  traced in {t.seconds:.1f} s, the passes {r.total_ms:.1f} ms{warned}; -v: "
+                 "every profile's prediction, the passes' times, the warnings")
+    return lines
+
+
+def table_lines(t: Traced, check: CheckCost, rows, tp: int, composed: bool) -> list[str]:
+    """``-v``: every row, every merge line, each profile's prediction and where it was
+    measured, every warning."""
+    r = t.report
+    a = r.all_reduce
+    lines = [_table([
+        ("all_reduce launches", launches_text(a)),
+        ("all_reduce bytes", _bytes_text(a, check)),
+        ("run-time check", check.text()),
+        ("buckets", len(r.buckets)),
+        ("other collectives", r.other_collectives or "none"),
+        ("graph nodes", f"{r.nodes['before']} -> {r.nodes['after']}"),
+        ("pipeline time", f"{r.total_ms:.1f} ms in all"
+                          + (" for the traced layers" if composed else "")
+                          + f" (analysis {r.analysis_ms:.1f} ms, "
+                          + ", ".join(f"{p['name']} {p['ms']:.1f} ms" for p in r.passes)
+                          + ")"),
+        ("trace time", f"{t.seconds:.1f} s"),
+        ("verdict", r.verdict),
+    ])]
+    lines += _merge_lines(r, composed, 10 ** 6)
+    lines += prediction_lines(rows, tp)
+    return lines + [f"  warning: {w}" for w in r.warnings]
+
+
+def prediction_lines(rows, tp: int) -> list[str]:
     """Each profile's predicted communication per step, then where each was measured."""
     far = read_as_is(rows, tp)
     width = max(len(p.name) for p in rows)
-    print(f"  predicted all_reduce time per step at TP {tp}, before -> after (exposed: what "
-          "compute issued before each wait does not hide):", file=out)
+    lines = [f"  predicted all_reduce time per step at TP {tp}, before -> after (exposed: what "
+             "compute issued before each wait does not hide):"]
     for p in rows:
         mark = " *" if far and p.world_size not in (None, tp) else ""
         chose = "  (the rewrite was chosen with it)" if p.chose else ""
-        print(f"    {p.name:<{width}}  {p.figures()}{mark}{chose}", file=out)
-    print("  where each profile comes from:", file=out)
-    for p in rows:
-        print(f"    {p.name}: {p.label}", file=out)
-    if far:
-        print(f"  * {far}", file=out)
+        lines.append(f"    {p.name:<{width}}  {p.figures()}{mark}{chose}")
+    lines.append("  where each profile comes from:")
+    lines += [f"    {p.name}: {p.label}" for p in rows]
+    return lines + ([f"  * {far}"] if far else [])
 
 
 def draw_model(args, t: Traced, title: str, bound: int | None = None) -> None:

@@ -16,6 +16,7 @@ call is that of the ranks it was measured on.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,8 +91,9 @@ def label(data: dict) -> str:
     parts += [str(data["date"])] if data.get("date") else []
     if "overlap" in data:
         parts.append(f"overlap efficiency {data['overlap']['efficiency']} (measured)")
-    if data.get("command"):
-        parts.append(f"by `{data['command']}`")
+    if data.get("command"):  # a path of the machine it ran on: its file name only
+        command = re.sub(r"(?<=\s)/\S*/(?=[^/\s]+)", "", str(data["command"]))
+        parts.append(f"by `{command}`")
     return ", ".join(parts)
 
 
