@@ -62,19 +62,20 @@ def trace_model(name: str, *, tp: int, tokens: int, step: str = "forward",
 
     if tp < 1 or tokens < 1:
         raise ValueError("--tp and --tokens must be at least 1")
+    from fxcoalesce.apps.progress import Phase
+
     n_layers = models.args_of(name, layers).n_layers  # unknown names fail here, before work
-    say = say or (lambda text: None)
-    say(f"tracing {name}{' (hand-merged)' if hand_merged else ''} {step} at TP {tp} "
-        f"({n_layers} layers, {tokens} tokens) under fake tensors: Dynamo, AOTAutograd and "
-        "the pipeline ...")
     t0 = time.perf_counter()
-    group = init_fake_group(tp) if tp > 1 else None
-    mode = FakeTensorMode()
-    with mode:
-        model = models.build(name, hand_merged=hand_merged, dtype=dtype, layers=layers)
-        models.apply_tp(model, group)
-        fn, args = make_step(model, step, tokens)
-    before, after, report = trace_step(fn, args, mode, config=config)
-    seconds = time.perf_counter() - t0
-    say(f"  traced in {seconds:.1f} s")
-    return Traced(before, after, report, seconds)
+    if say:
+        say(f"tracing {name}{' (hand-merged)' if hand_merged else ''} {step} at TP {tp} "
+            f"({n_layers} layers, {tokens} tokens) under fake tensors: Dynamo, AOTAutograd "
+            "and the pipeline ...")
+    with Phase(say, "tracing", announce=False, done="traced"):
+        group = init_fake_group(tp) if tp > 1 else None
+        mode = FakeTensorMode()
+        with mode:
+            model = models.build(name, hand_merged=hand_merged, dtype=dtype, layers=layers)
+            models.apply_tp(model, group)
+            fn, args = make_step(model, step, tokens)
+        before, after, report = trace_step(fn, args, mode, config=config)
+    return Traced(before, after, report, time.perf_counter() - t0)
