@@ -318,8 +318,9 @@ class RankEnv:
     position: Callable[[str], int | None]
     timeout: Callable[[str], float | None] = lambda g: None
     local: dict = field(default_factory=dict)
-    alone: set = field(default_factory=set)
-    """Functions (:func:`family`) a rank recompiles alone ("guards differ"): not waited for."""
+    alone: dict = field(default_factory=dict)
+    """Function (:func:`family`) -> how its ranks parted ("guards differ": a rank recompiles
+    it alone; "cut differently"): its later graphs are not waited for."""
     rewritten: set = field(default_factory=set)
     """Functions this rank runs a rewritten graph of in this store: later graphs are tagged."""
     retired: set = field(default_factory=set)
@@ -340,7 +341,7 @@ class Process:
     stores: list = field(default_factory=list)  # kept alive: a freed one's id could return
     retired: set = field(default_factory=set)
     cuts: dict = field(default_factory=dict)
-    alone: set = field(default_factory=set)
+    alone: dict = field(default_factory=dict)
     max_id: int = 0
 
 
@@ -429,7 +430,7 @@ def family(frame: str) -> str:
     return f"{m.group(1) if m else name}@{rest.rsplit(':', 1)[0]}"
 
 
-def _inside(alone: set) -> str | None:
+def _inside(alone: dict) -> str | None:
     """The function of ``alone`` on this thread's stack, if any (a graph compiled inside it
     is as likely compiled on this rank alone)."""
     import sys
@@ -685,8 +686,8 @@ class _Run:
                         said = missing
                     entry = self._step(closure, missing, time.monotonic() - t0, limit, bound)
                 if entry is not None:
-                    if entry["how"] == "guards differ" and self.family:
-                        self.env.alone.add(self.family)
+                    if entry["how"] in ("guards differ", "cut differently") and self.family:
+                        self.env.alone.setdefault(self.family, entry["how"])
                     self._warn(entry)
                     return entry, entry["how"], time.monotonic() - t0
                 time.sleep(pause)
@@ -701,9 +702,12 @@ class _Run:
             return self._add(decide({r: self.proposals[r] for r in closure}, self.steps,
                                     self.check_ranks))
         if (alone := self.family if self.family in self.env.alone else self.inside):
+            how = self.env.alone[alone]
             why = (f"{alone.split('@')[0]} recompiles on some ranks alone (its graphs are "
-                   "specialized on a value its peers' are not)")
-            return self._fallback(closure, "guards differ", why)
+                   "specialized on a value its peers' are not)" if how == "guards differ" else
+                   f"the ranks cut {alone.split('@')[0]} into graphs differently before: "
+                   "they do again")
+            return self._fallback(closure, how, why)
         if gone := [r for r in missing if self.ex.gone(r) is not None]:
             return self._fallback(closure, "peer gone", f"rank(s) {gone} ended before "
                                                         "compiling this graph")
