@@ -70,10 +70,6 @@ def _same(a: Config, b: Config) -> bool:
     return (a.enabled_passes, a.slack_aware) == (b.enabled_passes, b.slack_aware)
 
 
-def program_step(steps: list[Step]) -> int:
-    return len(steps) - 1
-
-
 def resolve(name: str):
     from torch.distributed.distributed_c10d import _resolve_process_group
 
@@ -193,7 +189,7 @@ def decide(proposals: dict[int, dict], steps: list[Step], check_ranks: bool) -> 
     {name: stream position}, "guards", "varied", "steps": [{"seq", "ws"}, ...]}``."""
     ranks = sorted(proposals)
     entry: dict = {"ranks": ranks, "differences": []}
-    last = program_step(steps)
+    last = len(steps) - 1  # the program's own order
     for how, why in (("cut differently", _misplaced(proposals)),
                      ("guards differ", _guarded_apart(proposals)),
                      ("cut varies", _varied(proposals))):
@@ -703,11 +699,8 @@ class _Run:
                                     self.check_ranks))
         if (alone := self.family if self.family in self.env.alone else self.inside):
             how = self.env.alone[alone]
-            why = (f"{alone.split('@')[0]} recompiles on some ranks alone (its graphs are "
-                   "specialized on a value its peers' are not)" if how == "guards differ" else
-                   f"the ranks cut {alone.split('@')[0]} into graphs differently before: "
-                   "they do again")
-            return self._fallback(closure, how, why)
+            return self._fallback(closure, how, f"the ranks parted on {alone.split('@')[0]} "
+                                  f"before ({how}): its later graphs are not waited for")
         if gone := [r for r in missing if self.ex.gone(r) is not None]:
             return self._fallback(closure, "peer gone", f"rank(s) {gone} ended before "
                                                         "compiling this graph")
@@ -760,7 +753,7 @@ class _Run:
 
     def _fallback(self, closure: set[int], how: str, why: str) -> dict:
         """The program's own order for ``closure``: right however each rank cuts the program."""
-        last = program_step(self.steps)
+        last = len(self.steps) - 1
         return self._add({"ranks": sorted(closure), "step": last, "nosymm": last, "ws": 0,
                           "how": how, "why": why, "differences": []})
 
