@@ -17,7 +17,7 @@ import os
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 
 import torch.distributed as dist
 
@@ -286,9 +286,7 @@ class Agreement:
     """The run-time tags the graph carries (``ranks.tag``), one line each."""
 
     def as_dict(self) -> dict:
-        return {"compared": self.compared, "step": self.step, "how": self.how,
-                "why": self.why, "differences": self.differences,
-                "waited_s": round(self.waited_s, 3), "ranks": self.ranks, "checks": self.checks}
+        return {**asdict(self), "waited_s": round(self.waited_s, 3)}
 
 
 # --- this process's state ---
@@ -324,7 +322,7 @@ class RankEnv:
     cuts: dict = field(default_factory=dict)
     """Frame -> the cuts this rank compiled it with (a function cut two ways: :func:`varied`)."""
     agreed: set = field(default_factory=set)
-    """Functions this rank has agreed a graph of in this store."""
+    """Functions this rank has agreed a graph of (in any store: a group made anew)."""
 
 
 @dataclass(slots=True)
@@ -338,6 +336,7 @@ class Process:
     retired: set = field(default_factory=set)
     cuts: dict = field(default_factory=dict)
     alone: dict = field(default_factory=dict)
+    agreed: set = field(default_factory=set)
     max_id: int = 0
 
 
@@ -357,7 +356,7 @@ def process_env() -> RankEnv:
                               position=lambda g: position(resolve(g)),
                               timeout=lambda g: group_timeout_s(resolve(g)),
                               retired=PROCESS.retired, cuts=PROCESS.cuts,
-                              alone=PROCESS.alone)
+                              alone=PROCESS.alone, agreed=PROCESS.agreed)
     return PROCESS.env
 
 
