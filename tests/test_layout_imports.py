@@ -7,7 +7,10 @@ those inside functions alike:
 compile glue's). A module imports only from its own layer or those before it, ``ranks`` reaches
 the passes only through the pipeline's interface, and the rank-safety code does not grow back
 (counted as the ``fxcoalesce.ranks`` docstring says: ~2,700 lines before issue 49, whose goal
-is 1,500; :data:`RANK_SAFETY_LINES` is where it stands, a ratchet to lower).
+is 1,500; :data:`RANK_SAFETY_LINES` is where it stands, a ratchet to lower; raised once,
+2,001 -> 2,030 on 2026-12-07, for the module-level values compared across ranks, which end the
+fuzzer's largest loud class, and the check that ranks agreeing on one key run it over one
+group, which two threads needed).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 ORDER = ["models", "core", "passes", "pipeline", "ranks", "graph_compile", "compiler", "apps"]
-RANK_SAFETY_LINES = 2001
+RANK_SAFETY_LINES = 2030
 RANK_SAFETY = ["fxcoalesce/ranks", "fxcoalesce/checked.py", "fxcoalesce/errors.py",
                "fxcoalesce/kernels/tag_check.py"]
 

@@ -10,7 +10,11 @@
    counts, reaching the two shapes in different orders on the two ranks: once both waited the
    agreement's timeout inside Dynamo's compile lock;
 4. ``if RANK == 0 and (step + 1) % N == 0: print(...)`` under ``dynamic=True``: ``step`` is a
-   SymInt whose guard only rank 0 has; once both ranks raised at the first print.
+   SymInt whose guard only rank 0 has; once both ranks raised at the first print;
+5. a module-level name whose value already differs between ranks at the first compile, which
+   rank 0 changes every step past its recompile limit (the fuzzer's ``recompile.limit``): once
+   both ranks stopped when rank 0 ran it uncompiled; and a value that differs by design (a
+   vocabulary shard's offset) reached through a module-level name keeps its rewrite.
 """
 
 from __future__ import annotations
@@ -198,3 +202,63 @@ def test_4_a_symint_step_read_on_one_rank_keeps_the_programs_order():
     for out, hows in res:
         assert out == [True] * 10, out
         assert "guards differ" in hows, hows
+
+
+# --- 5. a module-level value one rank changes every step, past its recompile limit ---
+
+PHASE = "p"
+
+
+def phased(x, y):
+    return (ar(x * 2) + ar(y * 3)) * (1.0 + 0.0 * len(PHASE))
+
+
+def _class_5(rank, world):
+    global PHASE
+    torch.set_num_threads(1)
+    config = torch._dynamo.config
+    setattr(config, "recompile_limit" if hasattr(config, "recompile_limit")
+            else "cache_size_limit", 2)  # (its name before torch 2.13)
+    f = compiled(phased)
+    x, y = inputs(rank)
+    out = []
+    for step in range(5):
+        if rank == 0:
+            PHASE = f"p{step}"  # rank 0 recompiles each step, then runs uncompiled
+        out.append(call(f, phased, x, y))
+    return out, sorted({r.agreement.get("how") or "" for r in fxcoalesce.reports()})
+
+
+def test_5_a_module_level_value_one_rank_changes_keeps_the_programs_order():
+    """The ranks' values of ``PHASE`` differ at the first compile: rank-local state, so the
+    program's own order from there (once the summed pair was rewritten, and rank 0's run past
+    its recompile limit stopped both ranks: the fuzzer's ``recompile.limit``)."""
+    res = spawn(_class_5, 2, (), backend="gloo", timeout=600, group_timeout_s=GROUP_TIMEOUT_S)
+    for out, hows in res:
+        assert out == [True] * 5, out
+        assert "guards differ" in hows, hows
+
+
+def _shard_offsets(rank, world):
+    from fxcoalesce import models
+    from fxcoalesce.apps.bench.variants import own_code
+    from fxcoalesce.apps.steps import make_step
+
+    torch.set_num_threads(1)
+    model = models.build("neox-tiny")
+    models.apply_tp(model, dist.group.WORLD)
+    fn, args = make_step(model, "forward", 3)
+    f = compiled(own_code(fn, "step"), fullgraph=True)  # the model reached as G['fn']
+    with torch.no_grad():
+        f(*args)
+    r = fxcoalesce.reports()[-1]
+    return r.all_reduce["before"], r.all_reduce["after"], r.agreement.get("how")
+
+
+def test_5_a_shard_offset_reached_through_a_module_level_name_keeps_the_rewrite():
+    """Values that differ between ranks by design (the vocabulary shard's offset, read as
+    ``G['fn']._modules['embed'].start`` where bench compiles the model through a function)
+    are not compared: only a module-level name itself is."""
+    res = spawn(_shard_offsets, 2, (), backend="gloo", timeout=600,
+                group_timeout_s=GROUP_TIMEOUT_S)
+    assert res == [(9, 5, "agreed")] * 2, res

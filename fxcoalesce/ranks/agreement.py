@@ -236,6 +236,10 @@ def _guarded_apart(proposals: dict[int, dict]) -> str | None:
     for r in ranks[1:]:
         if sets[r] != sets[ranks[0]]:
             only = sorted(sets[ranks[0]] ^ sets[r])
+            name = only[0].split(" == ")[0]
+            if sum(k.split(" == ")[0] == name for k in only) > 1:
+                return (f"{name.split(' ', 1)[1]} differs between ranks {ranks[0]} and {r}: "
+                        "module-level state one rank may change alone")
             a, b = (ranks[0], r) if only[0] in sets[ranks[0]] else (r, ranks[0])
             return (f"rank {a}'s graph is specialized on {', '.join(only[:3])} and rank "
                     f"{b}'s is not: when that value changes, rank {a} alone compiles again")
@@ -255,11 +259,17 @@ def _misplaced(proposals: dict[int, dict]) -> str | None:
     """Why ranks with one program key are not at one place of the program, or None."""
     role: dict[str, int] = {}
     pos: dict[str, int] = {}
+    names = {r: [name for name, _ in p["groups"]] for r, p in proposals.items()}
     for r in sorted(proposals):
         p = proposals[r]
-        for i, (name, _) in enumerate(p["groups"]):
+        for i, (name, members) in enumerate(p["groups"]):
             if role.setdefault(name, i) != i:
                 return f"group {name} plays different roles on different ranks"
+            # every member of the group that proposed runs it in the same role
+            if other := next((q for q in members if q in names
+                              and (names[q] + [None] * (i + 1))[i] != name), None):
+                return (f"the ranks run this graph over other groups (group {name} on rank "
+                        f"{r}, not on its member rank {other}: threads, each with its own)")
         for name, at in p["pos"].items():
             if at is not None and pos.setdefault(name, at) != at:
                 return (f"the ranks reach this graph at different points of group {name}'s "
@@ -477,7 +487,9 @@ def guard_keys() -> list[str]:
         except Exception:  # a guard without a builder name
             continue
         if kind in VALUE_GUARDS and g.name and not TORCH_OWN.search(g.name):
-            out.add(f"{kind} {_COUNTED.sub('___', g.name)}")
+            value = _module_value(g.name) if _MODULE_NAME.match(g.name) else None
+            out.add(f"{kind} {_COUNTED.sub('___', g.name)}"
+                    + ("" if value is None else f" == {value}"))
     shape_env = getattr(getattr(ctx, "fake_mode", None), "shape_env", None)
     if shape_env is not None:
         names = {}
@@ -489,6 +501,27 @@ def guard_keys() -> list[str]:
             text = re.sub(r"\b[suq]\d+\b", lambda m: names.get(m.group(0), "?"), str(guard.expr))
             out.add(f"SHAPE {text}")
     return sorted(out)
+
+
+_MODULE_NAME = re.compile(r"^G\['\w+'\]$")
+"""A module-level name itself ("G['PHASE']"), not an attribute reached through one (a
+model's shard offsets: ``G['fn']._modules['embed'].start``, alike in kind, not in value)."""
+
+
+def _module_value(name: str) -> str | None:
+    """The value of a module-level name the graph is specialized on, as the frame being
+    compiled sees it, shortened, or None. Ranks whose values differ hold rank-local state
+    there (a phase, a flag), which one rank may change alone, past its recompile limit too."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        value = eval(name, {"__builtins__": {}},  # noqa: S307 (a guard's own source)
+                     {"G": InstructionTranslator.current_tx().f_globals})
+    except Exception:  # a source Dynamo writes with its own helpers: the name alone
+        return None
+    if isinstance(value, (set, frozenset)):  # its order follows the process's hash seed
+        value = sorted(map(repr, value))
+    return repr(value)[:40]
 
 
 # --- one rank's agreement on one key ---
@@ -699,7 +732,7 @@ class _Run:
         if (alone := self.family if self.family in self.env.alone else self.inside):
             how = self.env.alone[alone]
             return self._fallback(closure, how, f"the ranks parted on {alone.split('@')[0]} "
-                                  f"before ({how}): its later graphs are not waited for")
+                                  f"before ({how}): so do its later graphs")
         if gone := [r for r in missing if self.ex.gone(r) is not None]:
             return self._fallback(closure, "peer gone", f"rank(s) {gone} ended before "
                                                         "compiling this graph")
@@ -707,9 +740,9 @@ class _Run:
         if found:
             return self._fallback(closure, *found)
         if waited > limit:
-            why = (f"waited {limit:g} s ({bound}) for rank(s) {missing} to compile this graph; "
-                   "they did not (they never reach it, cut the program into other graphs, or "
-                   "are slow)")
+            why = (f"waited {limit:g} s ({bound}; Config.agree_timeout_s or {TIMEOUT_ENV} sets "
+                   f"it) for rank(s) {missing} to compile this graph; they did not (they never "
+                   "reach it, cut the program into other graphs, or are slow)")
             return self._fallback(closure, "timed out", why)
         return None
 
@@ -727,19 +760,15 @@ class _Run:
         return limit, bound
 
     def _warn(self, entry: dict) -> None:
-        how = entry["how"]
-        if how == "busy":
-            log.info("fxcoalesce[%s]: %s: every rank runs this graph in the program's own "
-                     "collective order", self.name, entry["why"])
-        elif how in ("timed out", "cut differently", "peer gone", "guards differ", "cut varies",
-                     "runs uncompiled"):
-            log.warning("fxcoalesce[%s]: %s: every rank runs this graph in the program's own "
-                        "collective order (Config.agree_timeout_s or %s sets the wait)",
-                        self.name, entry["why"], TIMEOUT_ENV)
-        elif how == "fell back":
-            log.warning("fxcoalesce[%s]: ranks would issue different collectives (%s); all "
-                        "ranks compile it %s", self.name, "; ".join(entry["differences"]),
-                        self.steps[entry["step"]].label)
+        """One line for a graph the ranks did not agree to compile as configured (info where
+        two threads only crossed: ``busy``)."""
+        how, differences = entry["how"], "; ".join(entry["differences"])
+        why = f"ranks would issue different collectives ({differences})" if differences else \
+            entry["why"]
+        if how != "agreed":
+            (log.info if how == "busy" else log.warning)(
+                "fxcoalesce[%s]: %s: every rank compiles this graph %s", self.name, why,
+                self.steps[entry["step"]].label)
 
     def _add(self, entry: dict) -> dict:
         seqs = self.proposal["steps"]
