@@ -388,4 +388,4 @@ def test_the_tools_import_no_circle():
 
     circles = sorted(m for m in modules if m in reaches(m))
     assert circles == [], circles
-    assert "fxcoalesce.apps.tour" not in reaches("fxcoalesce.apps.checks")
+    assert "fxcoalesce.apps.demo" not in reaches("fxcoalesce.apps.checks")

@@ -340,22 +340,20 @@ def inspect_lines(found: str, seconds: float) -> list[str]:
 def run_demo(args) -> int:
     from fxcoalesce.apps.bench.calibrate import NCCL_MODES
     from fxcoalesce.apps.launch import spawn
-    from fxcoalesce.apps.progress import Phase
     from fxcoalesce.apps.spec.specdecode import summarize
 
     say = None if getattr(args, "quiet", False) else (
         lambda text: print(text, file=sys.stderr, flush=True))
     t0 = time.perf_counter()
-    full = args.device == "cuda" or args.tree is not None
+    prompt = args.prompt or DEFAULT_PROMPT
+    job = smollm2_job(args, prompt)  # what is wrong with the head or prompt: before any line
     if say:
         say(f"fxcoalesce demo: 1/2 merging ({MERGE_MODEL}, plain torch.compile against "
             f"fxcoalesce), 2/2 EAGLE-3 on {DISPLAY} ("
-            + ("decoding speculatively" if full else "a greedy step against the smallest tree")
+            + ("decoding speculatively" if job.full else
+               "a greedy step against the smallest tree")
             + "), then what `fxcoalesce inspect` says of a model"
-            + ("" if full else "; about 2 minutes on 2 idle CPU cores, longer on a busy one"))
-    prompt = args.prompt or DEFAULT_PROMPT
-    with Phase(say, f"checking {DISPLAY}'s weights and draft head"):
-        job = smollm2_job(args, prompt)
+            + ("" if job.full else "; about 2 minutes on 2 idle CPU cores, longer on a busy one"))
     bench_opt = merge_options(args, say)
     be = bench_opt.backend
     env = NCCL_MODES.get(bench_opt.nccl_mode, {}) if be == "nccl" else {}
