@@ -93,7 +93,7 @@ def test_race_lines_say_first_what_was_measured_and_never_call_greedy_speculativ
     text = "\n".join(lines)
     assert "a greedy step, median            : 100 ms for 1 token" in text
     assert ("the smallest tree's step, median : 150 ms (1 draft token, 2 verified) for 1.25 "
-            "tokens, its accepted length along the answer below (the draft right at 12 of 48 "
+            "tokens, its accepted length along the answer below (12 draft tokens accepted in 48 "
             "steps)") in text
     answer = next(ln for ln in lines if ln.startswith("  the answer"))
     assert "3 tokens decoded greedily, uncompiled, in 6.4 s; ranks agree: True" in answer

@@ -204,14 +204,14 @@ def race_lines(ranks: list[dict], answer_tokens: int) -> list[str]:
     else:
         found = (f"neither is faster beyond the noise: {rates} (greedy faster in {k} of {n} "
                  f"rounds, sign test p = {won:.2g})")
-    k1, d1, n1 = r["tree"]
-    right = round((acc - 1) * steps)
+    _, depth, verified = r["tree"]
     return [
         row("measured here", found),
         row("a greedy step, median", f"{g * 1e3:.0f} ms for 1 token"),
-        row("the smallest tree's step, median", f"{t * 1e3:.0f} ms ({d1} draft token{'s' * (d1 > 1)}"
-            f", {n1} verified) for {acc:.2f} tokens, its accepted length along the answer below "
-            f"(the draft right at {right} of {steps} steps)"),
+        row("the smallest tree's step, median", f"{t * 1e3:.0f} ms ({depth} draft token"
+            f"{'s' * (depth > 1)}, {verified} verified) for {acc:.2f} tokens, its accepted "
+            f"length along the answer below ({round((acc - 1) * steps)} draft tokens accepted "
+            f"in {steps} steps)"),
         row("how it was timed", f"{n} rounds after the prompt, a greedy step then the tree's "
             "in each, uncompiled (the ATen ops fxcoalesce's eager codegen runs on a CPU), the "
             "medians the slowest rank's"),
@@ -374,8 +374,8 @@ def run_demo(args) -> int:
     else:
         run = {k: v for k, v in spec[0].items() if k != "rank"}
         lines = race_lines(spec, len(tokens))
-    if args.device == "cpu" and (gpu := recorded_gpu_line()):
-        lines.insert(1, gpu)
+    if args.device == "cpu" and (gpu := recorded_gpu_line()):  # beside what was measured
+        lines.insert(len(lines) if job.full else 1, gpu)
     print("\n".join(lines))
     print(f"  Q: {prompt}")
     for i, line in enumerate(text.splitlines()):
