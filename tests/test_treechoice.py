@@ -185,6 +185,30 @@ def test_confirm_turns_to_greedy_when_the_compiled_step_is_slower(real, tmp_path
     assert tc.confirm(choice, forced, step_fn=slow_step, **kw).shape == (1, 1, 2)
 
 
+def test_time_steps_hands_back_each_rounds_pair(real):
+    """The CPU demo's sign test reads every round: (its greedy step, each candidate's step),
+    in seconds, the candidate's right after the greedy step it is paired with."""
+    import time
+
+    from fxcoalesce.models import eagle3_static as es
+
+    target, draft, tok = real
+    prompt = tok.encode_chat("Why is the sky blue?")
+    target.setup_cache(1, 128)
+    draft.setup_cache(128 + 8)
+
+    def slow_step(*args):
+        time.sleep(0.3)
+        return es.spec_step(*args)
+
+    rounds = []
+    greedy_s, step_s = tc.time_steps(target, draft, prompt, [(1, 1, 2)], reps=3,
+                                     step_fn=slow_step, capture=False, per_round=rounds)
+    assert len(rounds) == 3
+    assert all(g > 0 and len(t) == 1 and t[0] > 0.3 for g, t in rounds), rounds
+    assert step_s["1,1,2"] > 0.3 and greedy_s > 0
+
+
 def test_learn_keeps_what_the_decoding_realized(tmp_path, monkeypatch):
     """A tree predicted at 1.5x that decoded at 0.75x: the cached factor doubles, and the
     next choice from the cache is greedy."""
