@@ -240,8 +240,8 @@ def race_worker(rank: int, world: int, opt: SpecOptions) -> dict:
     answer (``treechoice.accepted_lengths``: the decoder's own walk, no target call a step);
     then ``RACE_ROUNDS`` rounds of a greedy step against that tree's step on the state after
     the prompt (``treechoice.time_steps``). Nothing compiles: on a CPU fxcoalesce compiles
-    these steps with the eager codegen, the same ATen ops, and the two compiles would take
-    longer than all of this."""
+    these steps with the eager codegen, the same ATen ops, and compiling them took 14 and 20 s
+    of CPU time a rank at TP 2 (2026-12-07, torch 2.13), where the 64-token answer took 7."""
     from fxcoalesce.apps.progress import Phase
     from fxcoalesce.models import eagle3_static as es
 
