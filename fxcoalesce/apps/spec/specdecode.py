@@ -17,9 +17,13 @@ only the compiled greedy step runs, and a chosen tree hands over to greedy when 
 below greedy's pace (``GUARD_RATIO``). ``mode="reduce-overhead"`` makes each a CUDA graph on
 GPUs. A warm-up prompt compiles and records them; every prompt is then decoded both ways,
 timed end to end (prefill included, and apart), and the two token sequences are compared.
-``greedy_compiled=False`` (``fxcoalesce demo`` on a CPU) runs the greedy step uncompiled: one
-compile fewer, greedy's tokens the plain model's.
+``greedy_compiled=False`` (``fxcoalesce demo --tree`` on a CPU) runs the greedy step
+uncompiled: one compile fewer, greedy's tokens the plain model's.
 Rank 0 says on stderr what it loads, compiles and decodes (``apps.progress``).
+
+``race_worker`` is the CPU demo's short look instead (nothing compiled): the answer decoded
+greedily, the smallest tree's accepted length along it, and a greedy step timed against that
+tree's step, round by round.
 
 Before torch 2.14 the backend leaves Inductor's own comm-reordering passes off: there
 ``sink_waits`` moved the wait of the speculative step's last all_reduce past a fused kernel
@@ -69,7 +73,7 @@ class SpecOptions:
     """Rank 0 rewrites this JSON file with the summary so far after every prompt."""
     greedy_compiled: bool = True
     """Compile the target-only greedy step too (the baseline); False runs it eagerly: one
-    compile fewer (``fxcoalesce demo``: on a CPU the eager step is as fast, within noise),
+    compile fewer (``fxcoalesce demo --tree`` on a CPU: the eager step is as fast, within noise),
     and greedy's tokens are then those of the uncompiled model."""
     quiet: bool = False
     """Rank 0 says nothing on stderr (else: what it loads, compiles and decodes, time so far,
@@ -284,10 +288,6 @@ def spec_worker(rank: int, world: int, opt: SpecOptions) -> dict:
     dev, group, dtype, say, on = m.dev, m.group, m.dtype, m.say, m.on
     target, draft, tok, head_config = m.target, m.draft, m.tok, m.head_config
     cuda = dev.type == "cuda"
-
-    def setup_caches() -> None:
-        m.setup_caches(opt)
-
     choice, tree_record = None, {}
     if opt.tree is None:
         spec = es_spec(opt)
@@ -297,9 +297,9 @@ def spec_worker(rank: int, world: int, opt: SpecOptions) -> dict:
             choice, tree_record = treechoice.decide(
                 opt.tree, target=target, draft=draft, tok=tok, head=Path(opt.draft),
                 prompt=list(opt.prompts[0]), group=group, dev=dev, dtype=dtype,
-                settings=settings_key, say=say, setup=setup_caches)
+                settings=settings_key, say=say, setup=lambda: m.setup_caches(opt))
         spec = choice.spec
-        setup_caches()  # as the compiled steps will find them
+        m.setup_caches(opt)  # as the compiled steps will find them
         if say:
             say(f"  tree: {choice.label()}; {choice.reason}")
     greedy_chosen = spec is None
