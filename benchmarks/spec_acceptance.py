@@ -135,7 +135,7 @@ def worker(rank: int, world: int, argv: list[str]) -> dict:
     torch.set_num_threads(args.threads)
 
     from fxcoalesce.apps.spec import smollm2
-    from fxcoalesce.apps.spec.demo import head_path
+    from fxcoalesce.apps.spec.draft_head import head_path
     from fxcoalesce.apps.spec.draft_head import load_head
     from fxcoalesce.apps.spec.prompts import held_out_prompts, training_prompts
 
@@ -240,7 +240,7 @@ def main(argv=None) -> int:
 
 def _write_head_tp1(args) -> dict:
     from fxcoalesce.apps.spec import smollm2
-    from fxcoalesce.apps.spec.demo import head_path
+    from fxcoalesce.apps.spec.draft_head import head_path
     from fxcoalesce.apps.spec.draft_head import load_head
 
     torch.set_num_threads(args.threads)

@@ -21,7 +21,7 @@ from fxcoalesce.apps.bench.timing import timed
 from fxcoalesce.apps.spec import smollm2
 from fxcoalesce.apps.spec import treechoice as tc
 from fxcoalesce.apps.spec.treechoice import _replayable
-from fxcoalesce.apps.spec.demo import head_path
+from fxcoalesce.apps.spec.draft_head import head_path
 from fxcoalesce.apps.spec.draft_head import load_head
 from fxcoalesce.models import eagle3_static as es
 from fxcoalesce.models.eagle3 import prefill

@@ -5,7 +5,8 @@ count in it, every variant timed in the same rounds (medians, p10-p90); then one
 plot, the crossover against the overlap scheduler and the cost model's prediction beside the
 measured gain. "Faster beyond the noise" is judged round by round: each round runs every
 variant once, so a round's two steps share its load; a variant is faster where a one-sided
-sign test over the rounds gives p < 0.01 (13 of 15 rounds, 40 of 60).
+sign test over the rounds gives p < 0.01 (13 of 15 rounds, 40 of 60:
+``fxcoalesce.apps.bench.report.faster``, which ``fxcoalesce demo`` judges by too).
 
     python benchmarks/sweep_sizes.py --out benchmarks/results/sweep_gloo2_cpu_<date>
     python benchmarks/sweep_sizes.py --summarize-only --out <dir>   # table and plot again
@@ -18,12 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from fxcoalesce.apps.bench.report import faster, paired
 
 VARIANTS = "inductor,inductor-overlap,hand-merged,fxcoalesce"
 CASES = (  # (model, step, hidden, token counts, layers): parallel blocks, then MoE verify
@@ -48,26 +49,6 @@ def run_case(model: str, step: str, dim: int, tokens: str, layers: int, args, ou
     subprocess.run(cmd, check=True, timeout=args.timeout)
     print(f"  {model} {step} hidden {dim}: {time.monotonic() - t0:.0f} s", file=sys.stderr)
     return where / "bench.json"
-
-
-def paired(a: dict, b: dict) -> tuple[float, int, int] | None:
-    """Round by round, b's step minus a's (ms): their median, the rounds in which a was
-    faster, and the rounds; None where the steps were not kept."""
-    sa, sb = a.get("steps_ms"), b.get("steps_ms")
-    if not sa or not sb or len(sa) != len(sb):
-        return None
-    d = [y - x for x, y in zip(sa, sb)]
-    return statistics.median(d), sum(v > 0 for v in d), len(d)
-
-
-def faster(a: dict, b: dict, alpha: float = 0.01) -> bool:
-    """a faster than b beyond the noise: a one-sided sign test over the rounds (paired by
-    round) gives p < ``alpha``; without kept steps, a's p10-p90 range wholly below b's."""
-    p = paired(a, b)
-    if p is None:
-        return a["p90_ms"] < b["p10_ms"]
-    _, k, n = p
-    return sum(math.comb(n, i) for i in range(k, n + 1)) / 2 ** n < alpha
 
 
 def measured_gain_ms(fx: dict, other: dict) -> float:

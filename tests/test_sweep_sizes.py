@@ -1,9 +1,12 @@
 """benchmarks/sweep_sizes.py's judgement of "faster beyond the noise": a sign test over the
 bench's interleaved rounds (each round runs every variant once, so a round's steps share its
-load), not p10-p90 ranges, which a shared machine's noise keeps overlapping."""
+load), not p10-p90 ranges, which a shared machine's noise keeps overlapping. The test itself
+is ``fxcoalesce.apps.bench.report``'s (``fxcoalesce demo`` judges by it too)."""
 
 import importlib.util
 from pathlib import Path
+
+from fxcoalesce.apps.bench import report
 
 spec = importlib.util.spec_from_file_location(
     "sweep_sizes", Path(__file__).parent.parent / "benchmarks" / "sweep_sizes.py")
@@ -22,15 +25,23 @@ def test_faster_in_13_of_15_rounds_is_beyond_the_noise_12_is_not():
     wins12 = [x - 5 if i < 12 else x + 5 for i, x in enumerate(slow)]
     a13, a12, b = variant(wins13), variant(wins12), variant(slow)
     assert not a13["p90_ms"] < b["p10_ms"]  # the spread test would say nothing
-    assert sweep.faster(a13, b) and not sweep.faster(b, a13)
-    assert not sweep.faster(a12, b)  # p = 0.018
-    assert sweep.paired(a13, b) == (5.0, 13, 15)
+    assert report.faster(a13, b) and not report.faster(b, a13)
+    assert not report.faster(a12, b)  # p = 0.018
+    assert report.paired(a13, b) == (5.0, 13, 15)
+    assert sweep.faster is report.faster  # the sweep judges by the package's test
+
+
+def test_the_sign_test_is_the_binomial_tail():
+    assert report.sign_test(15, 15) == 2 ** -15
+    assert report.sign_test(13, 15) == (1 + 15 + 105) / 2 ** 15  # 13, 14 or 15 wins
+    assert report.sign_test(0, 15) == 1.0
+    assert report.sign_test(12, 15) > report.ALPHA > report.sign_test(13, 15)
 
 
 def test_without_kept_steps_the_spread_decides():
     a = {"median_ms": 1.0, "p10_ms": 0.9, "p90_ms": 1.1}
     b = {"median_ms": 2.0, "p10_ms": 1.5, "p90_ms": 2.5}
-    assert sweep.faster(a, b) and not sweep.faster(b, a)
+    assert report.faster(a, b) and not report.faster(b, a)
 
 
 def test_the_gain_against_the_overlap_scheduler_prices_its_buckets_with_the_profile(tmp_path):

@@ -66,23 +66,21 @@ def test_parse_tree_refuses(text, match):
 
 
 def test_demo_lines_say_greedy_was_chosen_and_why():
-    from fxcoalesce.apps.spec.demo import SmolRun, smollm2_lines
-    from fxcoalesce.apps.spec.specdecode import SpecOptions
+    from fxcoalesce.apps.demo import spec_lines
 
     reason = tc.choose(0.10, {"1,1,2": 0.15}, {"1,1,2": 1.44}).reason
     summary = {"all_reduce_per_call": {"decode": {"before": 61, "after": 61,
                                                   "lower_bound": 61}},
                "verdict": {"decode": "already at its bound"}, "pass_ms": {},
                "mean_accepted": 1.0, "tokens_per_s": {"speculative": 9.0, "target_greedy": 9.0},
-               "speedup_vs_target_greedy": 1.0, "ranks_agree": True,
+               "speedup_vs_target_greedy": 1.0, "ranks_agree": True, "settings": {},
                "tree_choice": {"label": "none (greedy decoding)", "reason": reason,
                                "greedy_chosen": True, "source": "measured"}}
-    run = SmolRun(summary, {"spec_tokens": 8, "same_tokens": True}, "x", False,
-                  SpecOptions(gguf="", draft="", prompts=((1,),), tree="auto"))
-    lines = smollm2_lines(run, 2)
+    lines = [ln.strip() for ln in spec_lines(summary, {"spec_tokens": 8, "same_tokens": True},
+                                             2, stopped=False)]
     assert lines[0] == "tree                             : none (greedy decoding) (measured)"
     assert lines[1].endswith(reason) and "0.96x" in lines[1]
-    assert lines[2].startswith("all_reduce per decode step       : 61 -> 61")
+    assert lines[2].startswith("all_reduce per greedy decode step: 61 -> 61")
     assert not any("accepted length" in x for x in lines)
     assert any(x.startswith("tokens per second                : 9.0 greedy") for x in lines)
 
@@ -185,6 +183,30 @@ def test_confirm_turns_to_greedy_when_the_compiled_step_is_slower(real, tmp_path
     assert tc.choose(0.1, tc.corrected(cached), cached["accepted"]).shape is None
     forced = {"source": "forced"}
     assert tc.confirm(choice, forced, step_fn=slow_step, **kw).shape == (1, 1, 2)
+
+
+def test_time_steps_hands_back_each_rounds_pair(real):
+    """The CPU demo's sign test reads every round: (its greedy step, each candidate's step),
+    in seconds, the candidate's right after the greedy step it is paired with."""
+    import time
+
+    from fxcoalesce.models import eagle3_static as es
+
+    target, draft, tok = real
+    prompt = tok.encode_chat("Why is the sky blue?")
+    target.setup_cache(1, 128)
+    draft.setup_cache(128 + 8)
+
+    def slow_step(*args):
+        time.sleep(0.3)
+        return es.spec_step(*args)
+
+    rounds = []
+    greedy_s, step_s = tc.time_steps(target, draft, prompt, [(1, 1, 2)], reps=3,
+                                     step_fn=slow_step, capture=False, per_round=rounds)
+    assert len(rounds) == 3
+    assert all(g > 0 and len(t) == 1 and t[0] > 0.3 for g, t in rounds), rounds
+    assert step_s["1,1,2"] > 0.3 and greedy_s > 0
 
 
 def test_learn_keeps_what_the_decoding_realized(tmp_path, monkeypatch):

@@ -391,53 +391,25 @@ def _weights() -> None:
 
 def check_demo(args) -> None:
     _at_least(1, tp=args.tp)
-    if getattr(args, "tree", None) is not None:
+    if args.tree is not None:
         from fxcoalesce.apps.spec.treechoice import parse_tree
 
-        if args.model not in (None, PRETRAINED):
-            raise ValueError(f"--tree: for the SmolLM2 part only ({args.model} takes its "
-                             "demo's fixed tree)")
         parse_tree(args.tree)  # ValueError naming what is wrong
     if args.tokens is not None:
         _at_least(2, "the first new token comes from the prefill, the others from verify steps",
                   tokens=args.tokens)
     if args.out is not None:
         _can_make_dir(args.out, "demo", "demo.json")
-    if args.model is None:  # both parts: the merge model's forward, then SmolLM2
-        if args.hand_merged:
-            raise ValueError("--hand-merged: for --model NAME only (the demo's first part "
-                             "sets plain torch.compile against fxcoalesce)")
-        _model(MERGE_MODEL, args.tp, "forward")
-        _model(PRETRAINED, args.tp, "verify")
-        _gpus(args.device, args.backend, args.tp)
-        _no_gloo_on_cuda(args.device, _backend(args), args.tp, args.backend is not None)
-        _hostable(args.tp, args.device)
-        from fxcoalesce.apps.spec.demo import head_path
-
-        head_path(args.draft)
-        _prompt(args.prompt or DEFAULT_PROMPT)
-        _weights()
-        return
-    _model(args.model, args.tp, "verify")
-    if args.hand_merged:
-        _hand_merged(args.model)
-    if args.model != PRETRAINED:
-        given = [o for o, v in (("--prompt", args.prompt), ("--draft", args.draft))
-                 if v is not None]
-        if given:
-            raise ValueError(f"{' and '.join(given)}: for --model {PRETRAINED} only; "
-                             f"{args.model} has random weights, a random draft and no tokenizer "
-                             "(its prompt is random token ids)")
+    _model(MERGE_MODEL, args.tp, "forward")  # part 1: the merge model's forward
+    _model(PRETRAINED, args.tp, "verify")  # part 2: SmolLM2
     _gpus(args.device, args.backend, args.tp)
     _no_gloo_on_cuda(args.device, _backend(args), args.tp, args.backend is not None)
-    if args.model == PRETRAINED:
-        from fxcoalesce.apps.spec.demo import head_path
+    _hostable(args.tp, args.device)
+    from fxcoalesce.apps.spec.draft_head import head_path
 
-        head_path(args.draft)
-        if args.prompt is None:
-            args.prompt = DEFAULT_PROMPT
-        _prompt(args.prompt)
-        _weights()
+    head_path(args.draft)
+    _prompt(args.prompt or DEFAULT_PROMPT)
+    _weights()
 
 
 def check_train_draft(args) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 from fxcoalesce.apps import checks
 from fxcoalesce.apps.bench.variants import DEFAULT_VARIANTS, VARIANTS
 from fxcoalesce.apps.defaults import DEFAULT_PROMPT
+from fxcoalesce.apps.demo import TOKENS
 from fxcoalesce.config import Config, did_you_mean
 from fxcoalesce.viz.picture import MAX_BOXES
 
@@ -341,42 +342,36 @@ def parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="the main job: a model whose all_reduces fxcoalesce "
                                     "merges, timed against plain torch.compile, then EAGLE-3 "
-                                    "speculative decoding of SmolLM2-135M through fxcoalesce")
-    d.add_argument("--model",
-                   help="run one part alone: smollm2-135m (the pretrained target with its "
-                        "trained head), or a zoo model with a KV cache (kimi-k2-tiny, ...: "
-                        "random weights, the verify step with and without the pass) "
-                        "(default: both parts: neox-tiny timed plain vs fxcoalesce, then "
-                        "smollm2-135m)")
+                                    "speculative decoding of SmolLM2-135M (on a CPU: a greedy "
+                                    "step timed against the smallest tree's)")
     d.add_argument("--tp", type=int, default=2,
-                   help="ranks, one process each; 1 runs in this process (default: %(default)s)")
+                   help="ranks, one process each (default: %(default)s)")
     d.add_argument("--tokens", type=int,
-                   help="new tokens to generate, at least 2 (default: 64 for both parts' "
-                        "SmolLM2 answer, 256 with --model smollm2-135m, 32 for a zoo model; "
-                        "SmolLM2 stops earlier at EOS)")
+                   help=f"new tokens of SmolLM2's answer, at least 2 (default: {TOKENS}; it "
+                        "stops earlier at EOS)")
     d.add_argument("--backend", choices=["gloo", "nccl"],
                    help="process group backend (default: nccl with --device cuda and a GPU "
                         "per rank, else gloo)")
     d.add_argument("--codegen", choices=["inductor", "eager"],
-                   help="code generator for the compiled steps (default: inductor; eager for "
-                        "smollm2-135m on CPU, where Inductor takes minutes over 30 layers)")
-    d.add_argument("--hand-merged", action="store_true",
-                   help="use the engines' hand-merged model code as the target")
+                   help="code generator of SmolLM2's compiled steps, where it decodes "
+                        "speculatively (default: inductor on GPUs; eager on CPU, where "
+                        "Inductor takes minutes over 30 layers)")
     d.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="where weights and activations live (default: %(default)s)")
     d.add_argument("--out", help="directory to write demo.json into, created if missing "
                                  "(default: write nothing)")
-    d.add_argument("--prompt", help="smollm2-135m: the user message, chat template applied "
+    d.add_argument("--prompt", help="what SmolLM2 is asked, chat template applied "
                                     f"(default: {DEFAULT_PROMPT!r})")
-    d.add_argument("--draft", help="smollm2-135m: draft head directory from train-draft "
+    d.add_argument("--draft", help="SmolLM2's draft head directory from train-draft "
                                    "(default: the repository's heads/smollm2-135m)")
     d.add_argument("--tree", metavar="auto|measure|spec|greedy|K,D,N",
-                   help="smollm2-135m's speculative tree: auto sizes it from the step times "
+                   help="decode SmolLM2 speculatively (on a GPU always; on a CPU only with "
+                        "--tree: minutes) with this tree: auto sizes it from the step times "
                         "measured on this machine and the head's acceptance (the decision "
                         "kept per machine, model, head and TP degree), greedy where no tree "
                         "is faster; measure: anew; spec: the fastest tree even where greedy "
-                        "is faster; greedy; or K,D,N: top-k, depth, total tokens (default: "
-                        "auto in both parts, the fixed tree 8,6,64 with --model)")
+                        "is faster; greedy; or K,D,N: top-k, depth, total tokens (default on "
+                        "a GPU: auto)")
     d.set_defaults(fn=cmd_demo, check=checks.check_demo)
 
     t = sub.add_parser("train-draft", help="train an EAGLE-3 draft head for a pretrained target "

@@ -1,235 +1,394 @@
-"""``fxcoalesce demo``: EAGLE-3 speculative decoding on a tensor-parallel Kimi-K2-shaped MoE
-model, with the verify step compiled through fxcoalesce.
+"""``fxcoalesce demo``: the two things fxcoalesce is for, on this machine, in about two minutes.
 
-Every verify step runs twice on the same inputs, compiled without and with the pass, one
-after the other: both write the same KV entries, their logits are compared, and each is
-timed. Decoding continues from the pass's result. Each variant's first call compiles it
-and is left out of the times. What the pass adds to its compile is measured inside it (the
-report's ``pass_cost_ms``: pipeline and agreement); the compiles' totals follow the load
-and the order they ran in one process, so they are not compared. Weights are random, so
-the draft rarely matches the target and accepted lengths stay near 1 (``fxcoalesce demo``
-without ``--model`` decodes SmolLM2-135M with its trained head). Progress goes to stderr
-(rank 0; ``-q`` silences it).
+1. Merging. ``neox-tiny`` (GPT-NeoX-style parallel blocks: attention and MLP read one norm,
+   so each layer's two all_reduces sum into one) on real ranks, plain ``torch.compile``
+   against fxcoalesce, measured by ``bench``: the same processes and weights, alternating
+   rounds after a barrier, a step's time the slowest rank's; launches counted at run time
+   by the profiler. Launches and bytes come first, then the step times, and "faster" is the
+   round-by-round sign test of ``bench.report`` (a round's two steps share its load; the
+   p10-p90 ranges of a shared machine overlap whatever the difference).
+2. EAGLE-3 on a real model: SmolLM2-135M-Instruct (its weights fetched once) with its
+   trained head (``heads/smollm2-135m``). On a GPU, or with ``--tree`` on a CPU, it answers
+   the prompt speculatively, the tree sized from this machine's step times
+   (``spec.treechoice``), every step compiled through fxcoalesce, against its own greedy
+   decoding (``specdecode.spec_worker``). On a CPU a tree's step costs more than the tokens
+   it adds (compute grows with the tokens verified), so by default it only measures that,
+   in seconds: the answer decoded greedily, the smallest tree's accepted length along it, a
+   greedy step against that tree's step round by round (``specdecode.race_worker``); then
+   the same head's decoding as recorded on a GPU (``RECORDED_GPU``).
+
+Both parts run in the same rank processes (``demo_worker``): one start, and the compilers'
+one-time costs paid once. Then how to ask the same of one's own model (``fxcoalesce
+inspect``), with what it says of a zoo model, traced here under fake tensors in seconds
+(``INSPECT_EXAMPLE``). What the pass costs is measured inside each compile (the report's
+``pass_cost_ms``); a compile's total follows the machine's load, so it is not shown. Rank 0
+says on stderr what it compiles and measures, a line at least every 10 s (``apps.progress``).
 """
 
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
+from fxcoalesce.apps.defaults import DEFAULT_PROMPT, MERGE_MODEL, backend_of
 
-from fxcoalesce.compiler import backend
-from fxcoalesce.config import Config
-from fxcoalesce.apps.launch import default_backend, spawn
-from fxcoalesce.apps.bench.records import percentile
-from fxcoalesce.apps.bench.report import ranges_overlap
-from fxcoalesce.apps.bench.timing import timed
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class DemoOptions:
-    model: str = "kimi-k2-tiny"
-    """Target model name."""
-    tokens: int = 32
-    """New tokens to generate."""
-    tree: int = 16
-    """Tokens per verify step (tree size, root included)."""
-    depth: int = 4
-    """Draft tree depth."""
-    top_k: int = 4
-    """Children per expanded draft node."""
-    prompt: int = 16
-    """Prompt length (random token ids)."""
-    codegen: str = "inductor"
-    """Code generator for both verify variants."""
-    hand_merged: bool = False
-    """Use the engines' hand-merged model code as the target."""
-    device: str = "cpu"
-    """"cpu" or "cuda"."""
-    progress: bool = True
-    """Rank 0 says on stderr what it is compiling and how long that took."""
+MERGE_TOKENS = 3
+MERGE_ROUNDS = 500
+TOKENS = 64
+"""New tokens of SmolLM2's answer (``--tokens`` changes it)."""
+WARMUP_TOKENS = {"cuda": 16, "cpu": 4}
+"""The untimed first decoding of the full path: it compiles the steps (and on a GPU records
+their CUDA graphs; a CPU has none to record, so a few tokens are enough)."""
+INSPECT_MODEL, INSPECT_LAYERS, INSPECT_TP = "falcon-40b", 2, 8
+INSPECT_EXAMPLE = (f"fxcoalesce inspect --model {INSPECT_MODEL} --layers {INSPECT_LAYERS} "
+                   f"--tp {INSPECT_TP}")
+"""The command whose result the demo's last line shows, traced in the demo's own process
+as the command traces it (tests/test_demo.py checks the line against the command's output)."""
+RECORDED_GPU = "benchmarks/results/gpu_h100x1_torch2.11_2026-12-06_session15/tree_8-7-96/spec_tp1.json"
+"""SmolLM2 with the same head on one H100 (32 prompts, the lower of two runs of the newest code
+measured there: 1089409, launch ahead; the tree (8, 7, 96) forced, the deepest that paid;
+(8, 6, 64), what the sizing picks, ran 2.08x beside it: COMMAND.txt): what a GPU makes of the
+same decoding. Not the two-H200 TP-2 record of 2026-11-30: Inductor before torch 2.15 compiled
+that step wrong (docs/measurements.md)."""
+DISPLAY = "SmolLM2-135M-Instruct"
 
 
-def demo_worker(rank: int, world: int, opt: DemoOptions) -> dict:
+def row(label: str, value: str) -> str:
+    """'  label ... : value', the labels aligned."""
+    return f"  {label:<33}: {value}"
+
+
+def pass_cost_text(cost: dict) -> str:
+    """'41.5 ms (pipeline 30.4 ms, agreeing 11.1 ms)' from ``Report.pass_cost_ms()``."""
+    agreeing = cost["ladder"] + cost["exchange"]
+    return (f"{cost['total']:.1f} ms (pipeline {cost['pipeline']:.1f} ms"
+            + (f", agreeing {agreeing:.1f} ms" if agreeing else "") + ")")
+
+
+# --- part 1: merging ----------------------------------------------------------------------
+
+def merge_options(args, say):
+    """Part 1's bench options: plain torch.compile against fxcoalesce on MERGE_MODEL."""
+    from fxcoalesce.apps.bench.run import BenchOptions
+
+    cuda = args.device == "cuda"
+    return BenchOptions(model=MERGE_MODEL, tokens=(MERGE_TOKENS,), tp=args.tp,
+                        backend=backend_of(args), device=args.device, cudagraphs=cuda,
+                        variants=("inductor", "fxcoalesce"), steps=MERGE_ROUNDS,
+                        calls_per_sample=10 if cuda else 1, warmup=10,
+                        command=getattr(args, "command_line", ""), progress=say is not None,
+                        warm_up_compilers=False)
+
+
+def verdict(ours: dict, plain: dict) -> str:
+    """fxcoalesce against plain torch.compile, round by round (``bench.report.faster``)."""
+    from fxcoalesce.apps.bench.report import ALPHA, paired, sign_test
+
+    pair = paired(ours, plain)
+    if pair is None:
+        return "not judged: the rounds' steps were not kept"
+    _, k, n = pair
+    won, lost = sign_test(k, n), sign_test(n - k, n)
+    if won < ALPHA:
+        return f"faster in {k} of {n} rounds (sign test p = {won:.2g})"
+    if lost < ALPHA:
+        return (f"slower: plain torch.compile faster in {n - k} of {n} rounds (sign test p = "
+                f"{lost:.2g})")
+    return f"not faster beyond the noise (faster in {k} of {n} rounds, sign test p = {won:.2g})"
+
+
+def merge_lines(rec: dict) -> list[str]:
+    """What part 1 found, one figure a line, every figure from the bench record."""
     from fxcoalesce import models
-    from fxcoalesce.models import eagle3
 
-    cuda = opt.device == "cuda"
-    dev = torch.device(f"cuda:{rank % torch.cuda.device_count()}" if cuda else "cpu")
-    torch.set_num_threads(max(1, (torch.get_num_threads()) // world) if not cuda else 1)
-    group = dist.group.WORLD if world > 1 else None
-    say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
-    note = ((lambda *a: print(*a, file=sys.stderr, flush=True)) if rank == 0 and opt.progress
-            else (lambda *a: None))
-    target = models.apply_tp(models.build(opt.model, hand_merged=opt.hand_merged, device=dev),
-                             group)
-    max_seq = opt.prompt + opt.tokens + 2 * opt.tree
-    target.setup_cache(1, max_seq)
-    draft = eagle3.build_draft(eagle3.DraftArgs.for_target(target.args), device=dev, seed=1)
-    prompt = torch.randint(0, target.args.vocab, (opt.prompt,),
-                           generator=torch.Generator().manual_seed(0)).to(dev)
+    plain, ours = rec["variants"]["inductor"], rec["variants"]["fxcoalesce"]
+    reports = ours.get("report_all_reduce") or [{}]
+    layers = models.args_of(MERGE_MODEL).n_layers
+    lines = [
+        f"{MERGE_MODEL}, {layers} parallel blocks (attention and MLP off one norm), random "
+        f"weights, a forward over {rec['tokens']} tokens, TP {rec['tp']} ({rec['backend']}, "
+        f"{rec['device']})",
+        row("all_reduce launches per step", f"{plain['all_reduce_launches']} plain "
+            f"torch.compile -> {ours['all_reduce_launches']} fxcoalesce (counted at run time; "
+            f"lower bound {reports[0].get('lower_bound', '?')})"),
+        row("all_reduce bytes per step", f"{plain['bytes']} -> {ours['bytes']}"),
+        row("step time, median", f"{plain['median_ms']:.2f} ms plain torch.compile, "
+            f"{ours['median_ms']:.2f} ms fxcoalesce "
+            f"({plain['median_ms'] / ours['median_ms']:.2f}x)"),
+        row("fxcoalesce, round by round", verdict(ours, plain)),
+        row("how it was timed", f"{rec['steps']} rounds after {rec['warmup']} untimed, both "
+            "in each round, alternating, a step the slowest rank's"),
+        row("output, max |Δ| from eager", f"{plain['max_abs_err']:.2g} plain, "
+            f"{ours['max_abs_err']:.2g} fxcoalesce (floating-point summation order)")]
+    if ours.get("report_pass_ms"):
+        costs = ours["report_pass_ms"]
+        total = {k: sum(c[k] for c in costs) for k in costs[0]}
+        lines.append(row("fxcoalesce inside the compile", f"{pass_cost_text(total)} for its "
+                         f"{len(costs)} graph{'s' * (len(costs) > 1)}; a compile's total "
+                         "follows the load: not compared"))
+    return lines
 
-    graphs = []
-    keep = lambda before, after, report: graphs.append(report)  # noqa: E731
-    variants = {
-        "without pass": torch.compile(eagle3.verify_step, fullgraph=True, backend=backend(
-            Config(passes=(), codegen=opt.codegen), on_graph=keep)),
-        "with pass": torch.compile(eagle3.verify_step, fullgraph=True, backend=backend(
-            Config(codegen=opt.codegen), on_graph=keep)),
-    }
-    what = {"without pass": "plain Inductor, Config(passes=())", "with pass": "fxcoalesce"}
-    times = {k: [] for k in variants}
-    compiled = set()
-    same = []
-    warm = []  # wall clock when the first (compiling) verify step returned
 
-    def verify_both(*args):
-        outs = {}
-        for i, (k, fn) in enumerate(variants.items(), 1):
-            if k not in compiled:  # the first call compiles: not timed, then run again
-                note(f"  compiling the verify step {k} ({what[k]}, codegen {opt.codegen}) "
-                     f"({i}/{len(variants)}) ...")
-                start = time.perf_counter()
-                fn(*args)
-                compiled.add(k)
-                note(f"    compiled in {time.perf_counter() - start:.1f} s (not counted in "
-                     "the times below)")
-            outs[k], us = timed(lambda: fn(*args), dev)
-            times[k].append(us)
-        a, b = outs.values()
-        same.append(float((a[0].float() - b[0].float()).abs().max()))
-        if len(same) == 1:
-            warm.append(time.perf_counter())
-        say(f"  verify {len(same):3d}: {times['without pass'][-1] / 1e3:7.2f} ms without, "
-            f"{times['with pass'][-1] / 1e3:7.2f} ms with the pass")
-        return outs["with pass"]
+# --- part 2: EAGLE-3 on SmolLM2 -----------------------------------------------------------
 
-    say(f"speculative decoding: {opt.model}, TP={world}, {opt.tokens} new tokens, "
-        f"tree of {opt.tree} tokens (depth {opt.depth}, top-k {opt.top_k})")
-    out, stats = eagle3.speculative_generate(
-        target, draft, prompt, opt.tokens, verify_fn=verify_both, top_k=opt.top_k,
-        depth=opt.depth, total_tokens=opt.tree)
-    # tokens/s after compilation, less the time spent in the unpassed comparison variant
-    steady_s = time.perf_counter() - warm[0] - sum(times["without pass"][1:]) / 1e6
-    steady_tokens = opt.tokens - 1 - stats.accepted[0]
-    target.setup_cache(1, max_seq)
-    reference = eagle3.greedy_generate(target, prompt, opt.tokens)
-    with_report, without_report = graphs[-1], graphs[0]
-    return {
-        "rank": rank, "world_size": world, "backend": dist.get_backend() if group else "none",
-        "all_reduce": with_report.all_reduce, "report_without": without_report.all_reduce,
-        "verify_median_us": {k: statistics.median(v) for k, v in times.items()},
-        "verify_p10_p90_us": {k: (percentile(v, 10), percentile(v, 90))
-                              for k, v in times.items()},
-        "pass_ms": with_report.pass_cost_ms(),
-        "verify_calls": len(same), "logits_max_abs_diff": max(same),
-        "matches_greedy": bool(torch.equal(out, reference)),
-        "mean_accepted": stats.mean_accepted,
-        "tokens_per_s": steady_tokens / max(steady_s, 1e-9),
-        "tokens": out.tolist(),
-    }
+@dataclass(slots=True)
+class SmolJob:
+    """A checked SmolLM2 decoding, before any rank starts: the ranks' options and the
+    tokenizer that reads their answer."""
+
+    options: object
+    """``specdecode.SpecOptions``."""
+    tokenizer: object
+    """``smollm2.ChatTokenizer``."""
+    full: bool
+    """Decode speculatively (``spec_worker``), else the CPU's short look (``race_worker``)."""
+
+
+def smollm2_job(args, prompt: str) -> SmolJob:
+    """Check the head and the prompt, fetch and check the weights (once), tokenize: what the
+    ranks need, or the ValueError / WeightsError that says what is wrong."""
+    from fxcoalesce.apps.spec import smollm2
+    from fxcoalesce.apps.spec.draft_head import check_compatible, head_path, read_config
+    from fxcoalesce.apps.spec.specdecode import SpecOptions
+    from fxcoalesce.apps.spec.treechoice import parse_tree
+    from fxcoalesce.models import llama
+
+    target_args = llama.CONFIGS[smollm2.NAME]
+    head = head_path(args.draft)
+    check_compatible(read_config(head), head, smollm2.NAME, target_args)
+    gguf = smollm2.gguf_path()
+    tok = smollm2.ChatTokenizer(smollm2.read_gguf(gguf))
+    ids = tok.encode_chat(prompt)
+    cuda = args.device == "cuda"
+    tree = parse_tree(args.tree) if args.tree is not None else "auto"
+    tokens = args.tokens or TOKENS
+    opt = SpecOptions(gguf=str(gguf), draft=str(head), prompts=(tuple(ids),),
+                      tokens=tokens, device=args.device,
+                      codegen=args.codegen or ("inductor" if cuda else "eager"),
+                      mode="reduce-overhead" if cuda else None,
+                      warmup_tokens=WARMUP_TOKENS[args.device], greedy_compiled=cuda,
+                      quiet=getattr(args, "quiet", False), tree=tree, prefill_compiled=cuda)
+    if isinstance(tree, tuple):
+        k, d, n = tree
+        opt = replace(opt, top_k=k, depth=d, total_tokens=n)
+    need = len(ids) + tokens + opt.total_tokens
+    if need > target_args.max_seq_len:
+        raise ValueError(f"the prompt is {len(ids)} tokens (chat template included); with "
+                         f"--tokens {tokens} and a tree of {opt.total_tokens} it needs {need} "
+                         f"positions, past {smollm2.NAME}'s context of {target_args.max_seq_len}")
+    return SmolJob(opt, tok, full=cuda or args.tree is not None)
+
+
+def race_lines(ranks: list[dict], answer_tokens: int) -> list[str]:
+    """What the CPU's short look measured, the verdict first: a greedy step against the
+    smallest tree's, that tree's accepted length along the answer, round by round."""
+    from fxcoalesce.apps.bench.report import ALPHA, sign_test
+
+    r = ranks[0]
+    g, t = r["greedy_step_s"], r["tree_step_s"]
+    acc, steps = r["accepted"]["accepted_length"], r["accepted"]["steps"]
+    greedy_rate, tree_rate = 1 / g, acc / t
+    n = len(r["rounds"])
+    k = sum(ts > acc * gs for gs, ts in r["rounds"])  # rounds greedy yields more tokens/s
+    won, lost = sign_test(k, n), sign_test(n - k, n)
+    rates = f"{greedy_rate:.1f} tokens/s greedy, {tree_rate:.1f} with the smallest tree"
+    if won < ALPHA:
+        found = (f"greedy decoding is faster, {greedy_rate / tree_rate:.2f}x: {rates} (in {k} "
+                 f"of {n} rounds, sign test p = {won:.2g})")
+    elif lost < ALPHA:
+        found = (f"the smallest tree is faster, {tree_rate / greedy_rate:.2f}x: {rates} (in "
+                 f"{n - k} of {n} rounds, sign test p = {lost:.2g})")
+    else:
+        found = (f"neither is faster beyond the noise: {rates} (greedy faster in {k} of {n} "
+                 f"rounds, sign test p = {won:.2g})")
+    _, depth, verified = r["tree"]
+    return [
+        row("measured here", found),
+        row("a greedy step, median", f"{g * 1e3:.0f} ms for 1 token"),
+        row("the smallest tree's step, median", f"{t * 1e3:.0f} ms ({depth} draft token"
+            f"{'s' * (depth > 1)}, {verified} verified) for {acc:.2f} tokens, its accepted "
+            f"length along the answer below ({round((acc - 1) * steps)} draft tokens accepted "
+            f"in {steps} steps)"),
+        row("how it was timed", f"{n} rounds after the prompt, a greedy step then the tree's "
+            "in each, uncompiled (the ATen ops fxcoalesce's eager codegen runs on a CPU), the "
+            "medians the slowest rank's"),
+        row("the answer", f"{answer_tokens} tokens decoded greedily, uncompiled, in "
+            f"{r['answer_s']:.1f} s; ranks agree: "
+            f"{all(x['tokens'] == r['tokens'] for x in ranks)}"),
+        row("decoding speculatively here", "fxcoalesce demo --tree auto (minutes on a CPU: "
+            "both steps compiled through fxcoalesce, the tree sized from their step times)")]
+
+
+def spec_lines(run: dict, result: dict, tp: int, stopped: bool) -> list[str]:
+    """The full path's figures, one a line (``specdecode.summarize``'s ``run``, rank 0's
+    ``result``): the tree and why, all_reduces and the report's verdict, accepted length,
+    tokens/s against greedy, whether the tokens are greedy's, the pass's own time. Where no
+    tree was faster the decoding was greedy, and says so."""
+    choice = run.get("tree_choice") or {}
+    greedy = bool(choice.get("greedy_chosen"))
+    lines = []
+    if choice:
+        lines += [row("tree", f"{choice['label']} ({choice.get('source', 'measured')})"),
+                  row("  because", choice["reason"])]
+    step = "decode" if greedy and "decode" in run["all_reduce_per_call"] else "spec"
+    name = "greedy decode" if step == "decode" else "speculative"
+    a, said = run["all_reduce_per_call"].get(step), run["verdict"].get(step)
+    if a and tp > 1:
+        lines.append(row(f"all_reduce per {name} step", f"{a['before']} -> {a['after']} "
+                         f"(lower bound {a['lower_bound']}); the report: {said}"))
+    lines.append(row("new tokens", f"{result['spec_tokens']}"
+                     f"{' (stopped at EOS)' if stopped else ''}"))
+    tps = run["tokens_per_s"]
+    if greedy:
+        lines += [row("tokens per second", f"{tps['target_greedy']:.1f} greedy, compiled "
+                      "through fxcoalesce (chosen: no tree is faster here; prefill included, "
+                      "after compilation)")]
+    else:
+        lines += [
+            row("mean accepted length", f"{run['mean_accepted']:.2f} tokens per verify"),
+            row("tokens per second", f"{tps['speculative']:.1f} speculative, "
+                f"{tps['target_greedy']:.1f} target-only greedy"
+                f"{'' if run['settings'].get('greedy_compiled', True) else ', uncompiled'} "
+                f"({run['speedup_vs_target_greedy']:.2f}x; prefill included, after compilation)"
+                + (f"; greedy took over after {result['greedy_from']} steps, the speculative "
+                   "tokens/s so far below greedy's" if result.get("greedy_from") else "")),
+            row("tokens equal target greedy", f"{result['same_tokens']}")]
+    lines.append(row("ranks agree", f"{run['ranks_agree']}"))
+    if cost := run["pass_ms"].get(step):
+        lines.append(row("fxcoalesce inside the compile", f"{pass_cost_text(cost)} for the "
+                         f"{name} step's graph"))
+    return lines
+
+
+def recorded_gpu_line() -> str | None:
+    """The same head's decoding as recorded on a GPU (``RECORDED_GPU``), labelled so."""
+    from fxcoalesce.apps.spec.treechoice import key_of
+
+    path = Path(__file__).resolve().parents[2] / RECORDED_GPU
+    if not path.is_file():
+        return None
+    d = json.loads(path.read_text())
+    t = d.get("tree")
+    tree = key_of((t["top_k"], t["depth"], t["total_tokens"])) if t else "none"
+    return row(f"recorded on {d['tp']} x {str(d['device']).removeprefix('NVIDIA ').split()[0]}",
+               f"{d['speedup_vs_target_greedy']:.2f}x over greedy, accepted length "
+               f"{d['mean_accepted']:.2f}, tree ({tree}), TP {d['tp']}, "
+               f"CUDA graphs, {d['prompts']} prompts "
+               f"[{RECORDED_GPU}]")
+
+
+def demo_worker(rank: int, world: int, bench_opt, spec_opt, full: bool) -> dict:
+    """One rank of both parts, in one process: part 1 (``bench_worker``), whose lines rank 0
+    prints as soon as every rank's times are in, then part 2 (``spec_worker`` or, on a CPU
+    by default, ``race_worker``). One process start per rank and one payment of the
+    compilers' one-time costs, not two."""
+    import torch
+    import torch.distributed as dist
+
+    from fxcoalesce.apps.bench.records import environment, merge_ranks
+    from fxcoalesce.apps.bench.run import bench_worker
+    from fxcoalesce.apps.spec.specdecode import race_worker, spec_worker
+
+    mine = bench_worker(rank, world, bench_opt)
+    every: list = [None] * world
+    dist.all_gather_object(every, mine)
+    rec = None
+    if rank == 0:
+        rec = merge_ranks(every, bench_opt, environment(bench_opt.device))[0]
+        part1 = merge_lines(rec)
+        print("1/2 merging all_reduces: " + part1[0])
+        print("\n".join(part1[1:]), flush=True)
+    torch._dynamo.reset()  # part 1's graphs are not looked at again
+    return {"merge": rec, "spec": (spec_worker if full else race_worker)(rank, world, spec_opt)}
+
+
+# --- the end: one's own model ---------------------------------------------------------------
+
+def inspect_example(say=None) -> tuple[str, float]:
+    """(the launches and verdict ``INSPECT_EXAMPLE`` prints, its trace's seconds), traced in
+    this process as the command traces it (fake tensors, a fake group), with the options the
+    command line gives it and inspect's defaults for the rest."""
+    from types import SimpleNamespace
+
+    from fxcoalesce.apps.inspect.command import launches_text, trace
+    from fxcoalesce.config import Config
+
+    args = SimpleNamespace(model=INSPECT_MODEL, layers=INSPECT_LAYERS, tp=INSPECT_TP, hf=None,
+                           tokens=3, step="forward", hand_merged=False, profile=None,
+                           bucket_cap_mb=Config().bucket_cap_mb, verbose=False)
+    traced, _ = trace(args, say or (lambda text: None))
+    r = traced.report
+    return f"all_reduce launches  {launches_text(r.all_reduce)}, {r.verdict}", traced.seconds
+
+
+def inspect_lines(found: str, seconds: float) -> list[str]:
+    """The demo's last lines: how to ask of one's own model, and what a zoo model gave."""
+    doors = [("fxcoalesce inspect --model path/to/file.py:factory --tp N",
+              "factory() returns (module, TP plan, input shape)"),
+             ("fxcoalesce inspect --hf <model type or config.json> --tp N",
+              "a Hugging Face architecture (the hf extra)"),
+             (INSPECT_EXAMPLE, f"traced just now, {seconds:.1f} s: {found}")]
+    width = max(len(command) for command, _ in doors)
+    return ["Your own model: `fxcoalesce inspect` says what fxcoalesce would merge in it, in "
+            "seconds, with no weights and no GPU (fake tensors, a fake group of N ranks):"] + [
+        f"  {command:<{width}}   {what}" for command, what in doors]
 
 
 def run_demo(args) -> int:
-    from fxcoalesce.apps.spec.smollm2 import NAME
+    from fxcoalesce.apps.bench.calibrate import NCCL_MODES
+    from fxcoalesce.apps.launch import spawn
+    from fxcoalesce.apps.spec.specdecode import summarize
 
-    if args.model is None:  # the main job: merging, then EAGLE-3 on a real model
-        from fxcoalesce.apps.tour import run_tour
-
-        return run_tour(args)
-    if args.model == NAME:  # pretrained weights and a trained draft head
-        from fxcoalesce.apps.spec.demo import run_smollm2_demo
-
-        return run_smollm2_demo(args)
-    opt = DemoOptions(model=args.model, tokens=args.tokens or 32,
-                      codegen=args.codegen or "inductor", hand_merged=args.hand_merged,
-                      device=args.device, progress=not getattr(args, "quiet", False))
+    say = None if getattr(args, "quiet", False) else (
+        lambda text: print(text, file=sys.stderr, flush=True))
     t0 = time.perf_counter()
-    if args.tp == 1:
-        res = [demo_worker(0, 1, opt)]
+    prompt = args.prompt or DEFAULT_PROMPT
+    job = smollm2_job(args, prompt)  # what is wrong with the head or prompt: before any line
+    if say:
+        say(f"fxcoalesce demo: 1/2 merging ({MERGE_MODEL}, plain torch.compile against "
+            f"fxcoalesce), 2/2 EAGLE-3 on {DISPLAY} ("
+            + ("decoding speculatively" if job.full else
+               "a greedy step against the smallest tree")
+            + "), then what `fxcoalesce inspect` says of a model"
+            + ("" if job.full else "; about 2 minutes on 2 idle CPU cores, longer on a busy one"))
+    bench_opt = merge_options(args, say)
+    be = bench_opt.backend
+    env = NCCL_MODES.get(bench_opt.nccl_mode, {}) if be == "nccl" else {}
+    if say:
+        say(f"starting {args.tp} {be} rank{'s' * (args.tp > 1)} for both parts ...")
+    ranks = spawn(demo_worker, args.tp, (bench_opt, job.options, job.full), backend=be,
+                  env=env)
+    rec, spec = ranks[0]["merge"], [r["spec"] for r in ranks]
+    tokens = spec[0]["results"][0]["tokens"] if job.full else spec[0]["tokens"]
+    text = job.tokenizer.decode(tokens).strip()
+    print(f"\n2/2 EAGLE-3 on a real model: {DISPLAY}, pretrained, with its trained draft head, "
+          f"TP {args.tp} ({spec[0]['backend']}, {spec[0]['device_name']})"
+          + (f", codegen {job.options.codegen}" if job.full else ""))
+    if job.full:
+        run = summarize(spec[0], spec)
+        lines = spec_lines(run, spec[0]["results"][0], args.tp,
+                           stopped=tokens[-1] == job.tokenizer.eos_id)
     else:
-        be = args.backend or default_backend(opt.device, args.tp)
-        if opt.progress:
-            print(f"starting {args.tp} {be} ranks ...", file=sys.stderr, flush=True)
-        res = spawn(demo_worker, args.tp, (opt,), backend=be)
-    print(summary(res, opt, args.tp))
-    print(f"  wall time                      : {time.perf_counter() - t0:.0f} s")
+        run = {k: v for k, v in spec[0].items() if k != "rank"}
+        lines = race_lines(spec, len(tokens))
+    if args.device == "cpu" and (gpu := recorded_gpu_line()):  # beside what was measured
+        lines.insert(len(lines) if job.full else 1, gpu)
+    print("\n".join(lines))
+    print(f"  Q: {prompt}")
+    for i, line in enumerate(text.splitlines()):
+        print(f"  {'   ' if i else 'A: '}{line}" if line else "")
+    found, seconds = inspect_example(say)
+    print(f"\nwall time {time.perf_counter() - t0:.0f} s")
+    print("\n".join(inspect_lines(found, seconds)))
     if getattr(args, "out", None):
-        print(f"wrote {write_demo_json(res, opt, args)}")
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        data = {"merge": rec, "speculative": {**run, "text": text, "prompt": prompt},
+                "inspect": {"command": INSPECT_EXAMPLE, "found": found,
+                            "trace_s": round(seconds, 2)}}
+        (out / "demo.json").write_text(json.dumps(data, indent=2, default=str) + "\n")
+        print(f"wrote {out / 'demo.json'}")
     return 0
-
-
-def summary(res: list[dict], opt: DemoOptions, tp: int) -> str:
-    """What the demo found, from every rank's result (rank 0's times)."""
-    from fxcoalesce.apps.spec.demo import pass_cost_text
-
-    r = res[0]
-    a = r["all_reduce"]
-    diff = max(x["logits_max_abs_diff"] for x in res)
-    noise = "; the ranges overlap: within noise" if _within_noise(r) else ""
-    return "\n".join([
-        f"\n{opt.model}{' (hand-merged)' if opt.hand_merged else ''}, TP={tp} "
-        f"({r['backend']}), verify step of {opt.tree} tokens, codegen {opt.codegen}",
-        f"  all_reduce launches per verify : {a['before']} -> {a['after']} "
-        f"(lower bound {a['lower_bound']})",
-        f"  verify latency median (p10-p90): {_spread(r, 'without pass')} without the pass, "
-        f"{_spread(r, 'with pass')} with it ({r['verify_calls']} calls each{noise})",
-        f"  logits with vs without, max |Δ| : {diff:.3g}"
-        + (" (identical)" if diff == 0 else " (the linearity pass adds partial sums before "
-           "reducing; Config(reassociate=False) is bit-exact)"),
-        f"  tokens equal target greedy     : {all(x['matches_greedy'] for x in res)}",
-        f"  ranks agree                    : {all(x['tokens'] == r['tokens'] for x in res)}",
-        f"  mean accepted length           : {r['mean_accepted']:.2f} tokens per verify "
-        "(random weights: the draft rarely agrees with the target; `fxcoalesce demo "
-        "--model smollm2-135m` runs a pretrained target with a trained head)",
-        f"  tokens per second              : {r['tokens_per_s']:.1f} (with the pass, after "
-        "compilation; draft and acceptance included)",
-        f"  fxcoalesce inside the compile  : {pass_cost_text(r['pass_ms'])} (a compile's "
-        "total follows the load and the order of compiles: not compared)",
-    ])
-
-
-def _spread(r: dict, k: str) -> str:
-    """'19.67 ms (12.10-30.20)': a variant's median verify time and its p10-p90 range."""
-    lo, hi = r["verify_p10_p90_us"][k]
-    return f"{r['verify_median_us'][k] / 1e3:.2f} ms ({lo / 1e3:.2f}-{hi / 1e3:.2f})"
-
-
-def _within_noise(r: dict) -> bool:
-    ranges = [r["verify_p10_p90_us"][k] for k in ("without pass", "with pass")]
-    return ranges_overlap(*ranges)
-
-
-def write_demo_json(res: list[dict], opt: DemoOptions, args) -> Path:
-    """``DIR/demo.json``: the figures the demo prints (``text`` when the model has one)."""
-    r = res[0]
-    ms = {k: round(v / 1e3, 4) for k, v in r["verify_median_us"].items()}
-    data = {
-        "model": opt.model, "tp": args.tp, "hand_merged": opt.hand_merged,
-        "backend": r["backend"], "device": opt.device, "codegen": opt.codegen,
-        "new_tokens": opt.tokens, "tree_tokens": opt.tree,
-        "all_reduce": {k: r["all_reduce"][k] for k in ("before", "after", "lower_bound")},
-        "verify_ms": {"without": ms["without pass"], "with": ms["with pass"]},
-        "verify_ms_p10_p90": {k.split()[0]: [round(x / 1e3, 4) for x in v]
-                              for k, v in r["verify_p10_p90_us"].items()},
-        "verify_within_noise": _within_noise(r),
-        "verify_calls": r["verify_calls"],
-        "pass_ms": r["pass_ms"],
-        "logits_max_abs_diff": max(x["logits_max_abs_diff"] for x in res),
-        "tokens_equal_target_greedy": all(x["matches_greedy"] for x in res),
-        "mean_accepted": r["mean_accepted"], "tokens_per_s": round(r["tokens_per_s"], 2),
-        "torch": torch.__version__, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "command": getattr(args, "command_line", ""),
-    }
-    if r.get("text") is not None:
-        data["text"] = r["text"]
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "demo.json").write_text(json.dumps(data, indent=2) + "\n")
-    return out / "demo.json"

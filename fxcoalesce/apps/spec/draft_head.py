@@ -22,6 +22,19 @@ from fxcoalesce.models.eagle3 import DraftArgs, Eagle3Draft
 FORMAT = "fxcoalesce-eagle3-head"
 SHARD_BYTES = 15 << 20
 INDEX = "model.safetensors.index.json"
+DEFAULT_HEAD = Path(__file__).resolve().parents[3] / "heads" / "smollm2-135m"
+"""The head committed with the repository (found from an editable install)."""
+
+
+def head_path(given: str | None) -> Path:
+    """``--draft``, else the repository's head; ValueError naming what to do when neither."""
+    path = Path(given) if given else DEFAULT_HEAD
+    if not path.is_dir():
+        kind = "a file, not a head directory" if path.exists() else "no such directory"
+        raise ValueError(f"--draft {path}: {kind}" if given else
+                         f"no draft head at {DEFAULT_HEAD}: pass --draft DIR (fxcoalesce "
+                         f"train-draft --target {DEFAULT_HEAD.name} --out DIR trains one)")
+    return path
 
 
 def head_tensors(draft: Eagle3Draft, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -17,9 +17,13 @@ only the compiled greedy step runs, and a chosen tree hands over to greedy when 
 below greedy's pace (``GUARD_RATIO``). ``mode="reduce-overhead"`` makes each a CUDA graph on
 GPUs. A warm-up prompt compiles and records them; every prompt is then decoded both ways,
 timed end to end (prefill included, and apart), and the two token sequences are compared.
-``greedy_compiled=False`` (``fxcoalesce demo`` on a CPU) runs the greedy step uncompiled: one
-compile fewer, greedy's tokens the plain model's.
+``greedy_compiled=False`` (``fxcoalesce demo --tree`` on a CPU) runs the greedy step
+uncompiled: one compile fewer, greedy's tokens the plain model's.
 Rank 0 says on stderr what it loads, compiles and decodes (``apps.progress``).
+
+``race_worker`` is the CPU demo's short look instead (nothing compiled): the answer decoded
+greedily, the smallest tree's accepted length along it, and a greedy step timed against that
+tree's step, round by round.
 
 Before torch 2.14 the backend leaves Inductor's own comm-reordering passes off: there
 ``sink_waits`` moved the wait of the speculative step's last all_reduce past a fused kernel
@@ -69,7 +73,7 @@ class SpecOptions:
     """Rank 0 rewrites this JSON file with the summary so far after every prompt."""
     greedy_compiled: bool = True
     """Compile the target-only greedy step too (the baseline); False runs it eagerly: one
-    compile fewer (``fxcoalesce demo``: on a CPU the eager step is as fast, within noise),
+    compile fewer (``fxcoalesce demo --tree`` on a CPU: the eager step is as fast, within noise),
     and greedy's tokens are then those of the uncompiled model."""
     quiet: bool = False
     """Rank 0 says nothing on stderr (else: what it loads, compiles and decodes, time so far,
@@ -178,10 +182,31 @@ def step_rate_guard(rate: float, group, dev: torch.device, *, first: int = GUARD
     return give_up
 
 
-def spec_worker(rank: int, world: int, opt: SpecOptions) -> dict:
-    """One rank: decode every prompt target-only and speculatively; per-prompt results."""
-    from fxcoalesce.apps.progress import Phase, first_call_announced, stderr_say
-    from fxcoalesce.models import eagle3_static as es
+@dataclass(slots=True)
+class Loaded:
+    """One rank's target (sharded) and draft head, their caches set up by ``setup_caches``."""
+
+    dev: torch.device
+    group: object
+    dtype: torch.dtype
+    say: object
+    """Progress on stderr (rank 0 unless quiet), else None."""
+    on: str
+    """'on 2 ranks', for progress lines."""
+    target: torch.nn.Module
+    draft: torch.nn.Module
+    tok: smollm2.ChatTokenizer
+    head_config: dict
+    cache_len: int
+
+    def setup_caches(self, opt: SpecOptions) -> None:
+        self.target.setup_cache(1, self.cache_len)
+        self.draft.setup_cache(self.cache_len + draft_room(opt))
+
+
+def load(rank: int, world: int, opt: SpecOptions) -> Loaded:
+    """This rank's device and threads, the target and head loaded, sharded and cached."""
+    from fxcoalesce.apps.progress import Phase, stderr_say
     from fxcoalesce.models import llama
 
     cuda = opt.device == "cuda"
@@ -201,13 +226,68 @@ def spec_worker(rank: int, world: int, opt: SpecOptions) -> dict:
                                        embed_weight=target.embed.weight.detach().clone(),
                                        device=dev, dtype=dtype)
         llama.apply_tp(target, group)
-    T = cache_len(opt)
+    m = Loaded(dev, group, dtype, say, on, target, draft, tok, head_config, cache_len(opt))
+    m.setup_caches(opt)
+    return m
 
-    def setup_caches() -> None:
-        target.setup_cache(1, T)
-        draft.setup_cache(T + draft_room(opt))
 
-    setup_caches()
+RACE_TREE = (1, 1, 2)
+"""The smallest tree (top_k, depth, total_tokens): one draft token a step, two verified."""
+RACE_ROUNDS = 10
+"""Rounds of the CPU's step race: all ten won gives sign test p = 0.001, nine 0.011."""
+
+
+@torch.no_grad()
+def race_worker(rank: int, world: int, opt: SpecOptions) -> dict:
+    """One rank of the CPU's short look at speculative decoding: the answer to the first
+    prompt decoded greedily; the smallest tree's (``RACE_TREE``) tokens a step along that
+    answer (``treechoice.accepted_lengths``: the decoder's own walk, no target call a step);
+    then ``RACE_ROUNDS`` rounds of a greedy step against that tree's step on the state after
+    the prompt (``treechoice.time_steps``). Nothing compiles: on a CPU fxcoalesce compiles
+    these steps with the eager codegen, the same ATen ops, and compiling them took 14 and 20 s
+    of CPU time a rank at TP 2 (2026-12-07, torch 2.13), where the 64-token answer took 7."""
+    from fxcoalesce.apps.progress import Phase
+    from fxcoalesce.models import eagle3_static as es
+
+    m = load(rank, world, opt)
+    prompt = list(opt.prompts[0])
+    with Phase(m.say, f"answering greedily, uncompiled, {m.on}", total=opt.tokens,
+               unit="tokens", done="") as phase:
+        def step(*args):
+            phase.advance()
+            return es.decode_step(*args)
+        phase.advance()  # the prefill's token
+        t0 = time.perf_counter()
+        answer = es.greedy_generate_static(m.target, torch.tensor(prompt, device=m.dev),
+                                           opt.tokens, step_fn=step,
+                                           stop_tokens=(m.tok.eos_id,))
+        answer_s = time.perf_counter() - t0
+    with Phase(m.say, f"walking the smallest tree's drafts along the answer {m.on}"):
+        walk = treechoice.accepted_lengths(m.target, m.draft, [(prompt + answer, len(prompt))],
+                                           [RACE_TREE])[treechoice.key_of(RACE_TREE)]
+    m.setup_caches(opt)  # as a decoding finds them
+    rounds: list = []
+    with Phase(m.say, f"timing a greedy step against the smallest tree's, {RACE_ROUNDS} "
+               f"rounds {m.on}"):
+        greedy_s, step_s = treechoice.time_steps(m.target, m.draft, prompt, [RACE_TREE],
+                                                 group=m.group, reps=RACE_ROUNDS,
+                                                 capture=False, per_round=rounds)
+    return {"rank": rank, "world": world, "backend": dist.get_backend() if m.group else "none",
+            "device_name": "cpu", "tokens": answer, "answer_s": answer_s,
+            "tree": RACE_TREE, "accepted": walk, "greedy_step_s": greedy_s,
+            "tree_step_s": step_s[treechoice.key_of(RACE_TREE)],
+            "rounds": [(g, t[0]) for g, t in rounds]}
+
+
+def spec_worker(rank: int, world: int, opt: SpecOptions) -> dict:
+    """One rank: decode every prompt target-only and speculatively; per-prompt results."""
+    from fxcoalesce.apps.progress import Phase, first_call_announced
+    from fxcoalesce.models import eagle3_static as es
+
+    m = load(rank, world, opt)
+    dev, group, dtype, say, on = m.dev, m.group, m.dtype, m.say, m.on
+    target, draft, tok, head_config = m.target, m.draft, m.tok, m.head_config
+    cuda = dev.type == "cuda"
     choice, tree_record = None, {}
     if opt.tree is None:
         spec = es_spec(opt)
@@ -217,9 +297,9 @@ def spec_worker(rank: int, world: int, opt: SpecOptions) -> dict:
             choice, tree_record = treechoice.decide(
                 opt.tree, target=target, draft=draft, tok=tok, head=Path(opt.draft),
                 prompt=list(opt.prompts[0]), group=group, dev=dev, dtype=dtype,
-                settings=settings_key, say=say, setup=setup_caches)
+                settings=settings_key, say=say, setup=lambda: m.setup_caches(opt))
         spec = choice.spec
-        setup_caches()  # as the compiled steps will find them
+        m.setup_caches(opt)  # as the compiled steps will find them
         if say:
             say(f"  tree: {choice.label()}; {choice.reason}")
     greedy_chosen = spec is None

@@ -274,8 +274,8 @@ def _seconds(run, dev: torch.device, group) -> float:
 
 @torch.no_grad()
 def time_steps(target, draft, prompt: list[int], shapes, *, group=None, reps: int = 4,
-               greedy_fn=es.decode_step, step_fn=es.spec_step,
-               capture: bool = True) -> tuple[float, dict[str, float]]:
+               greedy_fn=es.decode_step, step_fn=es.spec_step, capture: bool = True,
+               per_round: list | None = None) -> tuple[float, dict[str, float]]:
     """(seconds of a greedy step, {key: seconds of a speculative step}) after ``prompt``,
     with the caches as they are set up (the step's masks span them: set them up as the
     decoding will). Each step is warmed up, then timed ``reps`` times in rounds, each
@@ -284,7 +284,8 @@ def time_steps(target, draft, prompt: list[int], shapes, *, group=None, reps: in
     load between calls cancels (on 2 shared cores, under load 4-9, plain medians of 3 rounds
     put a 16-token step at 0.36 s and an 8-token one at 1.69 s, and the fastest of 4 rounds a
     3-token step at 199 ms against greedy's 180). The slowest rank's figures; every rank runs
-    the same calls in the same order."""
+    the same calls in the same order. ``per_round``: a list that receives each round's
+    (seconds of its last greedy step, [seconds of each candidate's step]), this rank's."""
     import statistics
 
     from fxcoalesce.models.eagle3 import prefill
@@ -308,9 +309,13 @@ def time_steps(target, draft, prompt: list[int], shapes, *, group=None, reps: in
                                 step_fn(target, draft, state, pairs, spec), dev, group, capture))
     greedy, ratios = [], [[] for _ in shapes]
     for _ in range(reps):
+        steps = []
         for i, run in enumerate(runs[1:]):
             greedy.append(_seconds(runs[0], dev, group))
-            ratios[i].append(_seconds(run, dev, group) / greedy[-1])
+            steps.append(_seconds(run, dev, group))
+            ratios[i].append(steps[-1] / greedy[-1])
+        if per_round is not None:
+            per_round.append((greedy[-1], steps))
     g = statistics.median(greedy)
     t = torch.tensor([g] + [g * statistics.median(r) for r in ratios], dtype=torch.float64,
                      device=dev)
