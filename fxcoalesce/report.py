@@ -94,6 +94,7 @@ class Report:
         details = [merge_line(b) for b in self.buckets]
         details += [kept_apart_line(d) for d in self.decisions
                     if d.get("pass") in ("bucket", "linearity") and d["chose"] != "merge all"]
+        details += [d["note"] for d in self.decisions if d.get("pass") == "split"]
         if len(details) > SUMMARY_LINES:
             more = len(details) - SUMMARY_LINES + 1
             details = details[:SUMMARY_LINES - 1] + [f"... {more} more (report.to_json())"]
@@ -104,14 +105,16 @@ SUMMARY_LINES = 12
 """Most merge lines :meth:`Report.summary` prints; ``to_json()`` has them all."""
 
 KIND_COUNTS = {"cat": "bucketed", "sum": "summed", "slice": "sliced",
-               "fused_add_rms_norm": "fused", "one_shot": "lowered", "two_shot": "lowered"}
+               "fused_add_rms_norm": "fused", "one_shot": "lowered", "two_shot": "lowered",
+               "split": "split"}
 """A bucket's kind as the summary counts it: "bucketed" only for a concatenation."""
 
 KIND_RESULTS = {"cat": "one all_reduce, bucketed", "sum": "one all_reduce, summed",
                 "slice": "an all_reduce of the slice that is read",
                 "fused_add_rms_norm": "one kernel with the add + RMSNorm after it",
                 "one_shot": "a one-shot all_reduce (symmetric memory)",
-                "two_shot": "a two-shot all_reduce (symmetric memory)"}
+                "two_shot": "a two-shot all_reduce (symmetric memory)",
+                "split": "an all_reduce of one part of the tokens (token split)"}
 """What a collective a pass made is, by its kind: the right side of a merge line."""
 
 
