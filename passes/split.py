@@ -103,22 +103,24 @@ def find_stretches(gm: GraphModule, pinned=frozenset()) -> tuple[list[Stretch], 
     all_reduces were left out."""
     analysis = analyze(gm)
     keep = pinned_blocks(analysis.scan, pinned)
-    notes, seeds = [], {}
+    notes, counts = [], []  # [(token count, [(block, dim)])]: SymInts do not hash
     for b in analysis.scan.blocks:
         d = token_dim(b)
         if b.impl != "nccl" or b.inplace or b in keep or d is None:
             continue
-        key = next((k for k in seeds if _same(k, b.shape[d])), b.shape[d])
-        seeds.setdefault(key, []).append((b, d))
-    if not seeds:
+        group = next((g for k, g in counts if _same(k, b.shape[d])), None)
+        if group is None:
+            counts.append((b.shape[d], group := []))
+        group.append((b, d))
+    if not counts:
         return [], Labels(), notes
-    tokens = max(seeds, key=lambda k: (len(seeds[k]), size_hint(k)))
-    for k in seeds:
-        if k is not tokens:
-            notes.append(f"{len(seeds[k])} all_reduce(s) of {k} tokens left whole (this graph "
+    tokens, seeds = max(counts, key=lambda c: (len(c[1]), size_hint(c[0])))
+    for k, group in counts:
+        if group is not seeds:
+            notes.append(f"{len(group)} all_reduce(s) of {k} tokens left whole (this graph "
                          f"splits {tokens})")
-    labels = _grow(seeds[tokens], tokens)
-    return _components(seeds[tokens], labels, tokens, analysis.order), labels, notes
+    labels = _grow(seeds, tokens)
+    return _components(seeds, labels, tokens, analysis.order), labels, notes
 
 
 def _grow(seeds: list[tuple[CommBlock, int]], tokens) -> Labels:
@@ -294,11 +296,11 @@ def price(gm: GraphModule, stretch: Stretch, lab: Labels, cfg: Config) -> dict[s
         if any(user not in inside for user in u.users) and len(lab.dims[u]) == 1:
             extra += 2 * hinted_nbytes(u.meta["val"]) / (roof.memory_gbps * 1e3)  # the cat
     prefix = compute_prefix(analysis, roof)
-    infos = {i.block: i for i in analysis.infos}
+    infos = {i.block.collective: i for i in analysis.infos}
     gain = 0.0
     for b in stretch.blocks:
         t = cfg.cost.all_reduce_us(b.nbytes, world)
-        i = infos[b]
+        i = infos[b.collective]
         window = prefix[i.need] - prefix[i.ready + 1] if i.need > i.ready + 1 else 0.0
         s = stage[b.collective]
         after = split_exposed_us(cfg.cost, world, b.nbytes, shares,
@@ -328,7 +330,8 @@ def decide(gm: GraphModule, stretch: Stretch, lab: Labels, cfg: Config) -> tuple
         split, note = True, (f"split in 2: {n} tokens, {k} all_reduce(s), predicted "
                              f"{ms(-us['saving'])} a step")
     elif us["extra"] >= us["gain"]:
-        split, note = False, (f"{n} tokens: the split reads the weights twice, "
+        split, note = False, (f"{n} tokens: the split reads the weights twice "
+                              f"({ms(us['weights'])}) and launches its kernels twice: "
                               f"{ms(us['extra'] - us['gain'])} a step")
     else:
         split, note = False, (f"{n} tokens: predicted {ms(-us['saving'])} a step, under the "
