@@ -39,11 +39,11 @@ from fxcoalesce.analysis import analyze
 from fxcoalesce.checked import pinned_blocks
 from fxcoalesce.collectives import CommBlock, group_setup
 from fxcoalesce.config import Config
-from fxcoalesce.cost import (Roofline, compute_prefix, graph_device, node_us, part_us,
-                             split_exposed_us)
+from fxcoalesce.cost import (MATMULS, Roofline, compute_prefix, graph_device, node_us,
+                             part_us, split_exposed_us)
 from fxcoalesce.graph_order import reorder
-from fxcoalesce.meta import (ORIGIN, REPLACES, fake_mode_of, hinted_nbytes, origin,
-                             propagate_val, replaced, size_hint)
+from fxcoalesce.meta import (ORIGIN, REPLACES, RUN_AFTER, fake_mode_of, hinted_nbytes,
+                             origin, propagate_val, replaced, size_hint)
 
 from .decide import MIN_SAVING_SHARE, MIN_SAVING_US
 from .result import Bucket, PassResult
@@ -434,7 +434,9 @@ def rewrite(gm: GraphModule, stretches: list[Stretch], lab: Labels) -> list[Buck
     for u in reversed(order):
         if u in split:
             graph.erase_node(u)
-    _stagger(gm, part_of, {w for b in seeds.values() for w in parts[b.wait]})
+    waits = {w for b in seeds.values() for w in parts[b.wait]}
+    stage = _stagger(gm, part_of, waits)
+    _mark_order(gm, [parts[b.collective] for b in seeds.values()], stage, part_of)
     return buckets
 
 
@@ -463,4 +465,52 @@ def _stagger(gm: GraphModule, part_of: dict[Node, int], split_waits: set[Node]) 
     ranked = sorted(nodes, key=lambda n: (stage[n], part_of.get(n, -1), pos[n]))
     priority = {n: float(i) for i, n in enumerate(ranked)}
     reorder(gm.graph, priority, set(analyze(gm).barriers))
+    return stage
 
+
+def _mark_order(gm: GraphModule, pairs: list[list[Node]], stage: dict[Node, int],
+                part_of: dict[Node, int]) -> None:
+    """Mark what must run before what (``meta.RUN_AFTER``, pinned for Inductor by
+    ``graph_order.pin_order``): part a's stage-s all_reduce is hidden by part b's compute of
+    stage s, part b's by part a's compute of stage s + 1 (the nodes of it that do not
+    themselves wait for b: attention reads both parts). The window's first matmul runs after
+    the issue, the wait after the window's last node."""
+    nodes = list(gm.graph.nodes)
+    of: dict[tuple[int, int], list[Node]] = {}
+    for n in nodes:
+        if n in part_of and output_vals(n):
+            of.setdefault((stage[n], part_of[n]), []).append(n)
+    issued = {(stage[ar], part_of[ar]): ar.args[0] for pair in pairs for ar in pair}
+    for a, b in pairs:
+        s = stage[a]
+        for ar, key in ((a, (s, 1)), (b, (s + 1, 0))):
+            wait = next(iter(ar.users))
+            after, before = _descendants(wait), _ancestors(ar)
+            window = [n for n in of.get(key, ()) if n not in after and n not in before]
+            if not window:
+                continue
+            last = issued[key] if issued.get(key) in window else window[-1]
+            wait.meta[RUN_AFTER] = (last.name,)
+            first = next((n for n in window if n.target in MATMULS), None)
+            if first is not None and first is not last:
+                first.meta[RUN_AFTER] = (ar.name,)
+
+
+def _descendants(node: Node) -> set[Node]:
+    seen, todo = {node}, [node]
+    while todo:
+        for user in todo.pop().users:
+            if user not in seen:
+                seen.add(user)
+                todo.append(user)
+    return seen
+
+
+def _ancestors(node: Node) -> set[Node]:
+    seen, todo = {node}, [node]
+    while todo:
+        for a in todo.pop().all_input_nodes:
+            if a not in seen:
+                seen.add(a)
+                todo.append(a)
+    return seen

@@ -146,7 +146,7 @@ def test_config_is_frozen():
 
 
 def test_disabled_pass_does_not_run():
-    cfg = Config(disable=("slice", "linearity", "bucket", "fuse_norm", "lower"))
+    cfg = Config(disable=("slice", "linearity", "bucket", "split", "fuse_norm", "lower"))
     assert cfg.enabled_passes == ("schedule",)
     out, report = run_pipeline(diamond(), cfg)
     # only the schedule pass ran, so nothing merged

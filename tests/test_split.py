@@ -262,3 +262,32 @@ def test_llama_tiny_on_gloo_ranks_equals_plain_compile(dynamic):
         assert r["kinds"] == ["split"] * 8 and r["symbolic"] == dynamic
         torch.testing.assert_close(r["split"], r["plain"])
     torch.testing.assert_close(res[0]["split"], res[1]["split"], rtol=0, atol=0)
+
+
+@pytest.mark.slow  # one Inductor compile: ~30 s on 2 loaded cores
+def test_generated_code_keeps_the_stagger():
+    """Inductor issues each part's all_reduce before the other part's matmuls and waits after
+    them (``graph_order.pin_order``); unpinned, it issued part b's right before its wait and
+    fused both parts' norms into one kernel behind both waits (0 kernels under b's)."""
+    import torch.distributed as dist
+    from torch._inductor.utils import run_and_get_code
+
+    import fxcoalesce
+    from fxcoalesce.apps.bench.code_overlap import collective_windows
+    from fxcoalesce.apps.launch import init_fake_group
+    from fxcoalesce.models import apply_tp, build
+
+    init_fake_group(2)
+    try:
+        model = apply_tp(build("llama-tiny", layers=1), dist.group.WORLD)
+        cfg = fxcoalesce.Config(token_split=True, strict=True)
+        torch._dynamo.reset()
+        with torch.no_grad():
+            compiled = torch.compile(model, backend=fxcoalesce.backend(cfg), fullgraph=True)
+            _, (code, *_) = run_and_get_code(compiled, torch.randint(0, 512, (1, 64)))
+    finally:
+        dist.destroy_process_group()
+    windows = [w for w in collective_windows(code) if w.op == "all_reduce_"]
+    assert len(windows) == 5  # the embedding's (whole, carries the check), 2 x 2 parts
+    assert all(w.kernels >= 1 for w in windows[1:]), [w.kernels for w in windows]
+    assert not [w for w in windows if w.early_reads]
