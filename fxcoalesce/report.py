@@ -94,12 +94,18 @@ class Report:
         details = [merge_line(b) for b in self.buckets]
         details += [kept_apart_line(d) for d in self.decisions
                     if d.get("pass") in ("bucket", "linearity") and d["chose"] != "merge all"]
-        details += [d["note"] for d in self.decisions if d.get("pass") == "split"]
+        # a split, or a decline at a size where it could have paid (decode sizes: the JSON)
+        details += [d["note"] for d in self.decisions if d.get("pass") == "split"
+                    and (d["chose"] != "whole" or d.get("tokens", 0) >= SPLIT_SHOWN_FROM)]
         if len(details) > SUMMARY_LINES:
             more = len(details) - SUMMARY_LINES + 1
             details = details[:SUMMARY_LINES - 1] + [f"... {more} more (report.to_json())"]
         return "\n".join(lines + [f"  {d}" for d in details])
 
+
+SPLIT_SHOWN_FROM = 32
+"""Token count from which :meth:`Report.summary` shows the split pass's decline (``passes.split``
+never splits fewer by cost); below, the reason is in ``to_json()``."""
 
 SUMMARY_LINES = 12
 """Most merge lines :meth:`Report.summary` prints; ``to_json()`` has them all."""

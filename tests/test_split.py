@@ -217,6 +217,17 @@ def test_forced_on_at_few_tokens_and_reported():
     assert "split in 2 (Config.token_split=True): 4 tokens" in report.summary()
 
 
+def test_summary_shows_a_decline_only_where_a_split_could_pay():
+    """Decode sizes decline on every graph: their reason is in the JSON, not the summary."""
+    from fxcoalesce.pipeline import run_pipeline
+
+    fast = CostModel(base_us=0.0, hop_us=0.0, bandwidth_gbps=1e4)
+    for n, shown in ((16, False), (512, True)):
+        _, report = run_pipeline(llama_block(n), Config(cost=fast), record=False, emit=False)
+        (note,) = [d["note"] for d in report.decisions if d["pass"] == "split"]
+        assert note.startswith(f"{n} tokens: ") and (note in report.summary()) == shown
+
+
 def test_same_graph_same_split():
     """The split is a function of the graph and the Config: two builds of one program
     issue the same collectives (what every rank relies on)."""
