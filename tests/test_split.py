@@ -162,13 +162,17 @@ def test_stops_at_cache_writes_mutations_and_unknown_ops(tail):
         torch.testing.assert_close(run(gm, args), want)
 
 
-def test_a_reduction_over_the_tokens_ends_the_stretch():
-    def token_sum(b, h):
-        return b.call(aten.sum.dim_IntList, h, [0])
-
-    gm = llama_block(64, tail=token_sum)
+@pytest.mark.parametrize("target, args", [
+    (aten.sum.dim_IntList, ([0],)),  # a reduction over the tokens (Partial)
+    (aten.cumsum.default, (0,)),  # a scan over them
+    (aten.triu.default, (0,)),  # a mask that depends on a row's place in the step
+    (aten._softmax.default, (0, False)),  # attention weights over the tokens
+])
+def test_ops_that_mix_or_place_tokens_end_the_stretch(target, args):
+    gm = llama_block(64, tail=lambda b, h: b.call(target, h, *args))
     (stretch,), _, _ = find_stretches(gm)
-    assert not [n for n in stretch.nodes if n.target is aten.sum.dim_IntList]
+    assert not [n for n in stretch.nodes if n.target is target]
+    assert [n for n in stretch.nodes if n.target is aten.rsqrt.default]  # the norm is in
 
 
 @pytest.mark.parametrize("n", [2, 3, 16])
