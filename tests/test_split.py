@@ -306,3 +306,14 @@ def test_generated_code_keeps_the_stagger():
     assert len(windows) == 5  # the embedding's (whole, carries the check), 2 x 2 parts
     assert all(w.kernels >= 1 for w in windows[1:]), [w.kernels for w in windows]
     assert not [w for w in windows if w.early_reads]
+
+
+def test_the_rank_layers_fallbacks_turn_it_off():
+    """The split changes the collective sequence and reads compute: the agreement's second
+    step (no choices that read compute) and its last (the program's order) run without it."""
+    from fxcoalesce.passes import program_order, without_compute_choices
+
+    cfg = Config(token_split=True)
+    assert "split" in cfg.enabled_passes
+    assert "split" not in without_compute_choices(cfg).enabled_passes
+    assert "split" not in program_order(cfg).enabled_passes
