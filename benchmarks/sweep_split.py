@@ -27,14 +27,17 @@ from sweep_sizes import faster, paired  # noqa: E402
 VARIANTS = "inductor,fxcoalesce-no-split,fxcoalesce-split,no-comm"
 
 
-def predictions(tokens: list[int], dim: int, layers: int) -> dict[int, dict]:
+def predictions(tokens: list[int], dim: int, layers: int, link_gbps: float | None
+                ) -> dict[int, dict]:
     """Per token count: the split's predicted saving (ms a step, forced on) and the choice
-    the default cost model makes, from the pass's report on a fake-traced step."""
+    the cost model makes, from the pass's report on a fake-traced step: the default model
+    (what the bench compiled with: a 20 GB/s PCIe ring) and, with ``link_gbps``, a ring at
+    the emulated link's rate (what a calibrated profile of it would say, roughly)."""
     import torch
 
     from fxcoalesce.apps.launch import init_fake_group
     from fxcoalesce.apps.trace import trace_step
-    from fxcoalesce.config import Config
+    from fxcoalesce.config import Config, CostModel
     from fxcoalesce.models import apply_tp, build
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -42,7 +45,12 @@ def predictions(tokens: list[int], dim: int, layers: int) -> dict[int, dict]:
     group = init_fake_group(2)
     for n in tokens:
         row = {}
-        for key, cfg in (("forced", Config(token_split=True)), ("by_cost", Config())):
+        configs = [("forced", Config(token_split=True)), ("by_cost", Config())]
+        if link_gbps:
+            link = CostModel(bandwidth_gbps=link_gbps)
+            configs += [("forced_link", Config(token_split=True, cost=link)),
+                        ("by_cost_link", Config(cost=link))]
+        for key, cfg in configs:
             mode = FakeTensorMode()
             with mode:
                 model = apply_tp(build("llama-tiny", dim=dim, layers=layers), group)
@@ -59,8 +67,9 @@ def predictions(tokens: list[int], dim: int, layers: int) -> dict[int, dict]:
 
 def summarize(bench: dict, pred: dict) -> tuple[list[dict], str]:
     rows, lines = [], ["| tokens | inductor ms | no-split ms | split ms | no-comm ms | split "
-                       "vs inductor | split vs no-split (rounds) | exposed comm inductor -> "
-                       "split ms | predicted saving ms | by cost |", "|" + "---|" * 10]
+                       "vs inductor | split vs no-split: rounds split faster, median gain ms | "
+                       "exposed comm inductor -> split ms | predicted saving ms (default; "
+                       "link ring) | by cost (default; link ring) |", "|" + "---|" * 10]
     for rec in bench if isinstance(bench, list) else [bench]:
         v = rec["variants"]
         n = rec["tokens"]
@@ -75,10 +84,14 @@ def summarize(bench: dict, pred: dict) -> tuple[list[dict], str]:
                "split_beats_inductor": faster(split, plain),
                "inductor_beats_split": faster(plain, split),
                "split_beats_no_split": faster(split, nos),
-               "split_faster_rounds_vs_no_split": f"{pair[1]}/{pair[2]}" if pair else None,
-               "measured_gain_vs_no_split_ms": pair[0] if pair else None,
+               # paired(a, b): median of b - a, rounds where a was faster, rounds
+               "split_faster_rounds_vs_no_split": (f"{pair[2] - pair[1]}/{pair[2]}"
+                                                   if pair else None),
+               "measured_gain_vs_no_split_ms": -pair[0] if pair else None,
                "predicted_saving_ms": p.get("forced", {}).get("saving_ms"),
-               "by_cost": p.get("by_cost", {}).get("chose")}
+               "predicted_saving_link_ms": p.get("forced_link", {}).get("saving_ms"),
+               "by_cost": p.get("by_cost", {}).get("chose"),
+               "by_cost_link": p.get("by_cost_link", {}).get("chose")}
         rows.append(row)
         exposed = (f"{med['inductor'] - floor:.1f} -> {med['fxcoalesce-split'] - floor:.1f}"
                    if floor is not None else "-")
@@ -88,10 +101,15 @@ def summarize(bench: dict, pred: dict) -> tuple[list[dict], str]:
             f"| {n} | {med['inductor']:.2f} | {med['fxcoalesce-no-split']:.2f} | "
             f"{med['fxcoalesce-split']:.2f} | {floor if floor is None else f'{floor:.2f}'} | "
             f"{row['split_vs_inductor']:.2f}x ({verdict}) | "
-            f"{row['split_faster_rounds_vs_no_split']} faster, median gain "
-            f"{row['measured_gain_vs_no_split_ms']:+.2f} | {exposed} | "
-            f"{row['predicted_saving_ms']:+.3f} | {','.join(row['by_cost'] or ['-'])} |")
+            f"{row['split_faster_rounds_vs_no_split']}, {row['measured_gain_vs_no_split_ms']:+.1f}"
+            f" | {exposed} | {_ms(row['predicted_saving_ms'])}; "
+            f"{_ms(row['predicted_saving_link_ms'])} | {','.join(row['by_cost'] or ['-'])}; "
+            f"{','.join(row['by_cost_link'] or ['-'])} |")
     return rows, "\n".join(lines)
+
+
+def _ms(v) -> str:
+    return "-" if v is None else f"{v:+.3f}"
 
 
 def main() -> None:
@@ -104,6 +122,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=7200)
     ap.add_argument("--summarize-only", action="store_true")
+    ap.add_argument("--predict", action="store_true", help="predict again (with --summarize-only)")
+    ap.add_argument("--link-gbps", type=float, default=0.125,
+                    help="the link's rate for the second prediction (GB/s; 0.125 = 1 Gbit/s)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -119,8 +140,9 @@ def main() -> None:
         t0 = time.monotonic()
         subprocess.run(cmd, check=True, timeout=args.timeout)
         print(f"  bench: {time.monotonic() - t0:.0f} s", file=sys.stderr)
+    if not args.summarize_only or args.predict:
         (out / "predictions.json").write_text(json.dumps(
-            predictions(tokens, args.dim, args.layers), indent=2))
+            predictions(tokens, args.dim, args.layers, args.link_gbps), indent=2))
     bench = json.loads((where / "bench.json").read_text())
     pred = json.loads((out / "predictions.json").read_text())
     rows, table = summarize(bench, pred)
