@@ -317,3 +317,39 @@ def test_the_rank_layers_fallbacks_turn_it_off():
     assert "split" in cfg.enabled_passes
     assert "split" not in without_compute_choices(cfg).enabled_passes
     assert "split" not in program_order(cfg).enabled_passes
+
+
+def _kimi_verify(rank, world):
+    """kimi-k2-tiny's verify step as ``test_ranks._against_eager`` runs it, the split forced
+    on: (max abs error against eager, the kinds of the collectives the passes made)."""
+    import torch.distributed as dist
+
+    import fxcoalesce
+    from fxcoalesce.models import apply_tp, build, eagle3
+    from fxcoalesce.models.deepseek import causal_mask
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = apply_tp(build("kimi-k2-tiny"), dist.group.WORLD)
+    model.setup_cache(1, 64)
+    tokens = torch.randint(0, 512, (1, 8), generator=torch.Generator().manual_seed(3))
+    pos = torch.arange(8)
+    args = (model, tokens, pos, pos, causal_mask(pos, 64))
+    reports = []
+    cfg = fxcoalesce.Config(token_split=True, strict=True)
+    with torch.no_grad():
+        want = eagle3.verify_step(*args)[0].clone()
+        torch._dynamo.reset()
+        got = torch.compile(eagle3.verify_step, fullgraph=True, backend=fxcoalesce.backend(
+            cfg, on_graph=lambda b, a, r: reports.append(r)))(*args)[0]
+    return float((got - want).abs().max()), [b["kind"] for r in reports for b in r.buckets]
+
+
+@pytest.mark.slow  # ~2 min on 2 loaded cores
+def test_kimi_verify_with_cache_writes_and_moe_matches_eager():
+    """kimi-k2-tiny's verify step (KV cache written then read in the step, MLA, MoE routing
+    per token, linearity's sums) with the split forced on, 2 gloo ranks, against eager."""
+    from fxcoalesce.apps.launch import spawn
+
+    for err, kinds in spawn(_kimi_verify, 2, (), backend="gloo"):
+        assert err < 1e-4 and kinds.count("split") >= 8, kinds
