@@ -314,20 +314,20 @@ def decide(gm: GraphModule, stretch: Stretch, lab: Labels, cfg: Config) -> tuple
     n = size_hint(stretch.tokens)
     us = price(gm, stretch, lab, cfg)
     ms = lambda v: f"{v / 1e3:+.3f} ms"  # noqa: E731
-    k = len(stretch.blocks)
+    count = len(stretch.blocks)
     forced = cfg.token_split is True
     margin = max(MIN_SAVING_US, MIN_SAVING_SHARE * us["gain"])
     if n < PARTS:
         split, note = False, f"{n} token(s): nothing to split"
     elif forced:
-        split, note = True, (f"split in 2 (Config.token_split=True): {n} tokens, {k} "
+        split, note = True, (f"split in 2 (Config.token_split=True): {n} tokens, {count} "
                              f"all_reduce(s), predicted {ms(-us['saving'])} a step")
     elif n < MIN_TOKENS:
         split, note = False, (f"{n} tokens: the split reads the weights twice, "
                               f"{ms(us['weights'])} for {ms(-us['gain'])} hidden: under "
                               f"{MIN_TOKENS} tokens never split by cost")
     elif us["saving"] > margin:
-        split, note = True, (f"split in 2: {n} tokens, {k} all_reduce(s), predicted "
+        split, note = True, (f"split in 2: {n} tokens, {count} all_reduce(s), predicted "
                              f"{ms(-us['saving'])} a step")
     elif us["extra"] >= us["gain"]:
         split, note = False, (f"{n} tokens: the split reads the weights twice "
@@ -349,15 +349,19 @@ class _Parts:
         self.sizes: list | None = None
         self.starts: list | None = None
 
-    def ensure(self, x: Node, dim: int, before: Node) -> None:
+    def ensure(self, sliced: tuple[Node, int] | None, before: Node) -> None:
+        """Make the bounds (before ``before``), from ``sliced``: a (node, dim) whose dim is
+        the token count."""
         if self.sizes is not None:
             return
         if isinstance(self.tokens, int):
             a = self.tokens // 2
             self.sizes, self.starts = [a, self.tokens - a], [(0, a), (a, self.tokens)]
             return
+        if sliced is None:
+            raise RuntimeError(f"split: {before.name} reads no input split on the tokens")
         with self.graph.inserting_before(before):
-            n = self.graph.call_function(aten.sym_size.int, (x, dim))
+            n = self.graph.call_function(aten.sym_size.int, sliced)
             propagate_val(n)
             a = self.graph.call_function(operator.floordiv, (n, 2))
             propagate_val(a)
@@ -394,8 +398,9 @@ def rewrite(gm: GraphModule, stretches: list[Stretch], lab: Labels) -> list[Buck
         if u not in split:
             continue
         take = lab.takes[u]
-        first = next(((a, d) for a, d in take.items() if d is not None and a not in split), None)
-        bounds.ensure(*(first or (u, lab.dims[u][0])), before=u)
+        # the first split node reads some input sliced (inputs all whole give a whole output)
+        bounds.ensure(next(((a, d) for a, d in take.items() if d is not None and a not in split),
+                           None), before=u)
         parts[u] = []
         for p in range(PARTS):
             def arg(a: Node, p=p) -> Node:
@@ -456,9 +461,11 @@ def _check_shape(u: Node, new: Node, dims: tuple[int, ...], size) -> None:
                                f"{tuple(expect)} (a size argument the pass does not know)")
 
 
-def _stagger(gm: GraphModule, part_of: dict[Node, int], split_waits: set[Node]) -> None:
+def _stagger(gm: GraphModule, part_of: dict[Node, int], split_waits: set[Node]
+             ) -> dict[Node, int]:
     """Order: by stage, then part (a before b; nodes of no part first), then place. The
-    collectives keep their current order (a before b, stage by stage: the program's)."""
+    collectives keep their current order (a before b, stage by stage: the program's).
+    Returns each node's stage."""
     nodes = [n for n in gm.graph.nodes if n.op != "output"]
     stage = _stages(nodes, split_waits)
     pos = {n: i for i, n in enumerate(nodes)}
