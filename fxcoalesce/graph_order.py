@@ -145,7 +145,8 @@ def pin_order(gm) -> int:
     that the generated code keeps a staggered order: Inductor otherwise issues a collective
     right before its wait and fuses the two parts' norms into one kernel, which waits for
     both all_reduces. Marks naming nodes a later pass replaced are dropped; on a torch
-    without ``control_deps`` nothing is pinned. Returns the nodes pinned. Run last, on the
+    whose Inductor cannot compile ``control_deps`` (``torch_releases.CONTROL_DEPS_FROM``)
+    nothing is pinned. Returns the nodes pinned. Run last, on the
     graph Inductor compiles."""
     from .meta import RUN_AFTER
 
@@ -156,7 +157,9 @@ def pin_order(gm) -> int:
         deps = n.meta.pop(RUN_AFTER, None)
         if n.op == "call_function" and deps and set(deps) <= named.keys():
             marks[n] = [named[d] for d in deps]
-    if not marks:
+    from .torch_releases import CONTROL_DEPS_FROM, torch_version
+
+    if not marks or torch_version() < CONTROL_DEPS_FROM:
         return 0
     try:
         from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering

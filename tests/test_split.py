@@ -11,6 +11,7 @@ from fxcoalesce.config import Config, CostModel
 from fxcoalesce.meta import ORIGIN, size_hint
 from fxcoalesce.passes import split_pass
 from fxcoalesce.passes.split import find_stretches
+from fxcoalesce.torch_releases import CONTROL_DEPS_FROM, torch_version
 from graphs import GraphBuilder, all_reduces, calls, stale_vals, substitute_collectives
 
 aten = torch.ops.aten
@@ -283,6 +284,7 @@ def test_llama_tiny_on_gloo_ranks_equals_plain_compile(dynamic):
 
 
 @pytest.mark.slow  # one Inductor compile: ~30 s on 2 loaded cores
+@pytest.mark.skipif(torch_version() < CONTROL_DEPS_FROM, reason="no pin before torch 2.13")
 def test_generated_code_keeps_the_stagger():
     """Inductor issues each part's all_reduce before the other part's matmuls and waits after
     them (``graph_order.pin_order``); unpinned, it issued part b's right before its wait and
