@@ -98,12 +98,13 @@ def token_dim(block: CommBlock) -> int | None:
     return next((d for d in range(len(shape) - 1) if size_hint(shape[d]) > 1), None)
 
 
-def find_stretches(gm: GraphModule, pinned=frozenset()) -> tuple[list[Stretch], Labels, list[str]]:
-    """The stretches of ``gm`` (the largest token count's: one count per graph) and why
-    all_reduces were left out."""
+def find_seeds(gm: GraphModule, pinned=frozenset()):
+    """(token count, its all_reduces with their token dims, the other counts' all_reduces):
+    one count per graph, the one most all_reduces have (then the largest); pinned, lowered
+    and in-place all_reduces are none."""
     analysis = analyze(gm)
     keep = pinned_blocks(analysis.scan, pinned)
-    notes, counts = [], []  # [(token count, [(block, dim)])]: SymInts do not hash
+    counts = []  # [(token count, [(block, dim)])]: SymInts do not hash
     for b in analysis.scan.blocks:
         d = token_dim(b)
         if b.impl != "nccl" or b.inplace or b in keep or d is None:
@@ -113,14 +114,18 @@ def find_stretches(gm: GraphModule, pinned=frozenset()) -> tuple[list[Stretch], 
             counts.append((b.shape[d], group := []))
         group.append((b, d))
     if not counts:
-        return [], Labels(), notes
+        return None, [], []
     tokens, seeds = max(counts, key=lambda c: (len(c[1]), size_hint(c[0])))
-    for k, group in counts:
-        if group is not seeds:
-            notes.append(f"{len(group)} all_reduce(s) of {k} tokens left whole (this graph "
-                         f"splits {tokens})")
+    return tokens, seeds, [(k, g) for k, g in counts if g is not seeds]
+
+
+def find_stretches(gm: GraphModule, pinned=frozenset()) -> tuple[list[Stretch], Labels]:
+    """The stretches of ``gm`` around the all_reduces of :func:`find_seeds`."""
+    tokens, seeds, _ = find_seeds(gm, pinned)
+    if not seeds:
+        return [], Labels()
     labels = _grow(seeds, tokens)
-    return _components(seeds, labels, tokens, analysis.order), labels, notes
+    return _components(seeds, labels, tokens, analyze(gm).order), labels
 
 
 def _grow(seeds: list[tuple[CommBlock, int]], tokens) -> Labels:
@@ -245,10 +250,21 @@ def split_pass(gm: GraphModule, *, cfg: Config, pinned: frozenset = frozenset())
     if (why := available()) is not None:
         result.warnings.append(why)
         return result
-    stretches, lab, notes = find_stretches(gm, pinned)
-    result.warnings += notes
+    tokens, seeds, others = find_seeds(gm, pinned)
+    for k, group in others:
+        result.decisions.append(_whole(group, f"{size_hint(k)} tokens: left whole (this graph "
+                                                f"splits {size_hint(tokens)})"))
+    if not seeds:
+        return result
+    n = size_hint(tokens)
+    if cfg.token_split is None and n < MIN_TOKENS:  # decode: not worth reading the graph for
+        result.decisions.append(_whole(seeds, f"{n} tokens: under {MIN_TOKENS}, never split "
+                                              "by cost (each part would read every weight "
+                                              "for a few rows)"))
+        return result
+    lab = _grow(seeds, tokens)
     chosen = []
-    for stretch in stretches:
+    for stretch in _components(seeds, lab, tokens, analyze(gm).order):
         split, record = decide(gm, stretch, lab, cfg)
         result.decisions.append(record)
         if split:
@@ -257,6 +273,12 @@ def split_pass(gm: GraphModule, *, cfg: Config, pinned: frozenset = frozenset())
         result.buckets = rewrite(gm, chosen, lab)
         result.changed = True
     return result
+
+
+def _whole(seeds, note: str) -> dict:
+    n = size_hint(seeds[0][0].shape[seeds[0][1]])
+    return {"members": [b.collective.name for b, _ in seeds], "chose": "whole", "note": note,
+            "tokens": n, "local": True}
 
 
 def _halves(tokens) -> tuple[float, float]:
@@ -322,10 +344,6 @@ def decide(gm: GraphModule, stretch: Stretch, lab: Labels, cfg: Config) -> tuple
     elif forced:
         split, note = True, (f"split in 2 (Config.token_split=True): {n} tokens, {count} "
                              f"all_reduce(s), predicted {ms(-us['saving'])} a step")
-    elif n < MIN_TOKENS:
-        split, note = False, (f"{n} tokens: the split reads the weights twice, "
-                              f"{ms(us['weights'])} for {ms(-us['gain'])} hidden: under "
-                              f"{MIN_TOKENS} tokens never split by cost")
     elif us["saving"] > margin:
         split, note = True, (f"split in 2: {n} tokens, {count} all_reduce(s), predicted "
                              f"{ms(-us['saving'])} a step")
