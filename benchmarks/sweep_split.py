@@ -58,7 +58,8 @@ def predictions(tokens: list[int], dim: int, layers: int, link_gbps: float | Non
             _, _, report = trace_step(model, args, mode, config=cfg)
             split = [d for d in report.decisions if d["pass"] == "split"]
             row[key] = {"notes": [d["note"] for d in split],
-                        "saving_ms": sum(d.get("predicted_us", {}).get("saving", 0.0) for d in split) / 1e3,
+                        "saving_ms": sum(d.get("predicted_us", {}).get("saving", 0.0)
+                                         for d in split) / 1e3,
                         "chose": [d["chose"] for d in split]}
         out[n] = row
     torch.distributed.destroy_process_group()
