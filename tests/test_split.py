@@ -53,7 +53,9 @@ def llama_block(n: int, *, dynamic: bool = False, tail=None):
 
 def inputs(gm, n: int):
     torch.manual_seed(0)
-    size = lambda s: n if isinstance(s, torch.SymInt) and size_hint(s) != D else int(s)  # noqa: E731
+    def size(s):  # a symbolic size is the token count, unless it is the hidden size's
+        return n if isinstance(s, torch.SymInt) and size_hint(s) != D else int(s)
+
     return [torch.randn([size(s) for s in p.meta["val"].shape])
             for p in gm.graph.find_nodes(op="placeholder")]
 
