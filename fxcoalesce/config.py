@@ -333,8 +333,9 @@ class Config:
     Must be the same on every rank. ``False``: no tags (a re-cut can then pair wrong)."""
     token_split: bool | None = None
     """Split the tokens of each token-parallel stretch in two and stagger the parts, so each
-    part's all_reduce runs under the other's compute (the ``split`` pass). None: where the
-    cost model predicts it faster (never under 32 tokens); True: wherever a stretch has two
+    part's all_reduce runs under the other's compute (the ``split`` pass). None: where a
+    cost model you gave (a calibrated profile, or your own numbers) predicts it faster, never
+    under 32 tokens nor by the default, uncalibrated model; True: wherever a stretch has two
     tokens or more; False: never. ``reassociate=False`` turns it off too (a part's matmul may
     take another kernel, summing in another order)."""
     lower: bool = True

@@ -38,7 +38,7 @@ from torch.fx.node import map_arg
 from fxcoalesce.analysis import analyze
 from fxcoalesce.checked import pinned_blocks
 from fxcoalesce.collectives import CommBlock, group_setup
-from fxcoalesce.config import Config
+from fxcoalesce.config import Config, CostModel
 from fxcoalesce.cost import (MATMULS, Roofline, compute_prefix, graph_device, node_us,
                              part_us, split_exposed_us)
 from fxcoalesce.graph_order import reorder
@@ -261,6 +261,12 @@ def split_pass(gm: GraphModule, *, cfg: Config, pinned: frozenset = frozenset())
         result.decisions.append(_whole(seeds, f"{n} tokens: under {MIN_TOKENS}, never split "
                                               "by cost (each part would read every weight "
                                               "for a few rows)"))
+        return result
+    if cfg.token_split is None and cfg.cost == CostModel():
+        result.decisions.append(_whole(seeds, f"{n} tokens: the default cost model is not "
+                                              "calibrated, and a split it misprices is slower "
+                                              "than none: never split by it (a profile from "
+                                              "`fxcoalesce calibrate`, or token_split=True)"))
         return result
     lab = _grow(seeds, tokens)
     chosen = []

@@ -369,3 +369,13 @@ def test_kimi_verify_with_cache_writes_and_moe_matches_eager():
 
     for err, kinds in spawn(_kimi_verify, 2, (), backend="gloo"):
         assert err < 1e-4 and kinds.count("split") >= 8, kinds
+
+
+def test_the_default_cost_model_never_splits():
+    """Uncalibrated (``CostModel()``), it mispriced the split on the emulated 1 Gbit link (a
+    loss predicted where it won 1.23x) and would choose it unmeasured elsewhere: by cost, only
+    a model the user gave splits."""
+    gm = llama_block(512)
+    (decision,) = split_pass(gm, cfg=Config()).decisions
+    assert decision["chose"] == "whole" and "not calibrated" in decision["note"], decision
+    assert split_pass(llama_block(512), cfg=Config(cost=SLOW_LINK)).changed
