@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-DEFAULT_PASSES = ("slice", "linearity", "bucket", "fuse_norm", "lower", "schedule")
+DEFAULT_PASSES = ("slice", "linearity", "bucket", "split", "fuse_norm", "lower", "schedule")
 """Every pass, in the order the pipeline runs them by default (``passes.PASSES`` has the same
 names)."""
 
@@ -331,6 +331,13 @@ class Config:
     per tagged all_reduce and a copy where the producer cannot write into the tagged
     buffer, and keeps each graph's first all_reduce out of buckets, slices and lowerings.
     Must be the same on every rank. ``False``: no tags (a re-cut can then pair wrong)."""
+    token_split: bool | None = None
+    """Split the tokens of each token-parallel stretch in two and stagger the parts, so each
+    part's all_reduce runs under the other's compute (the ``split`` pass). None: where a
+    cost model you gave (a calibrated profile, or your own numbers) predicts it faster, never
+    under 32 tokens nor by the default, uncalibrated model; True: wherever a stretch has two
+    tokens or more; False: never. ``reassociate=False`` turns it off too (a part's matmul may
+    take another kernel, summing in another order)."""
     lower: bool = True
     """Let ``fuse_norm`` and ``lower`` run all_reduces with the implementations a calibrated
     profile predicts faster (symmetric-memory one-shot / two-shot, the fused all_reduce + add
@@ -359,6 +366,9 @@ class Config:
                      "run_checks"):
             if not isinstance(value := getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, not {value!r}")
+        if not (self.token_split is None or isinstance(self.token_split, bool)):
+            raise TypeError(f"token_split must be None (by cost), True or False, not "
+                            f"{self.token_split!r}")
         cap = self.bucket_cap_mb
         if isinstance(cap, bool) or not isinstance(cap, numbers.Real):
             raise TypeError(f"bucket_cap_mb must be a number of MB, not {cap!r}")

@@ -130,3 +130,33 @@ def predict(analysis: Analysis, cost: CostModel, world: int) -> dict[str, float]
         hidden += cost.hidden_us(t, prefix[info.need] - prefix[info.ready + 1])
     return {"total": round(total, 1), "hidden": round(hidden, 1),
             "exposed": round(total - hidden, 1)}
+
+
+def part_us(node: Node, roof: Roofline, share: float, whole: set[Node]) -> float:
+    """Roofline time of ``node`` run on ``share`` of its tokens (one part of a token split):
+    its inputs in ``whole`` (weights) are read whole by every part, the rest scale."""
+    out = tensor_val(node)
+    if node.op != "call_function" or out is None or is_collective(node) or op_of(node) is WAIT:
+        return 0.0
+    if isinstance(node.target, torch._ops.OpOverload) and node.target.is_view:
+        return 0.0
+    split = sum(hinted_nbytes(t) for t in [out, *(tensor_val(a) for a in node.all_input_nodes
+                                                 if a not in whole)] if t is not None)
+    kept = sum(hinted_nbytes(t) for t in (tensor_val(a) for a in node.all_input_nodes
+                                          if a in whole) if t is not None)
+    t = max(share * _flops(node) / (roof.peak_tflops * 1e6),
+            (share * split + kept) / (roof.memory_gbps * 1e3))
+    own_kernel = node.target in MATMULS or node.target in ATTENTION
+    return t + (roof.kernel_us if own_kernel else 0.0)
+
+
+def split_exposed_us(cost: CostModel, world: int, nbytes: int, shares: tuple[float, float],
+                     windows: tuple[float, float]) -> float:
+    """Predicted exposed time of one all_reduce of ``nbytes`` split in two parts of the token
+    ``shares``, part i hidden by ``windows[i]`` µs of the other part's compute (part A's
+    under B's compute before B's all_reduce, B's under A's compute after A's wait)."""
+    exposed = 0.0
+    for share, window in zip(shares, windows):
+        t = cost.all_reduce_us(int(nbytes * share), world)
+        exposed += t - cost.hidden_us(t, window)
+    return exposed

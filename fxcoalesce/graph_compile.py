@@ -23,6 +23,7 @@ from .config import Config
 from .errors import CollectiveMismatchError
 from .pipeline import emit_graph, run_pipeline
 from .collectives import find_comm_blocks, program_sequence, sequence_after
+from .graph_order import pin_order
 from .lowering import lowered_bytes, real_tensors, symm_groups, symm_problem
 from .ranks.agreement import (PROCESS, agree_graph, cut_at, frame_identity, guard_keys, has_peers,
                               ladder, must_compare, seen)
@@ -212,6 +213,7 @@ class GraphCompile:
         def inner_compile(graph_module, inputs, **kwargs):
             # the FX graph cache keys on the rewritten graph and on ``keyed``
             new = rewrite(graph_module)
+            pin_order(new)  # a staggered order (the split pass) kept through Inductor
             # torch < 2.15: Inductor's fusion could drop a read's edge to the in-place
             # collective (or other mutation) it follows, and its peak-memory reordering then
             # ran the read first (torch_releases.keep_mutation_renames; kimi-k2-tiny's verify

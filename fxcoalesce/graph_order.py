@@ -137,3 +137,39 @@ def _sorted(nodes: list[Node], pos: dict[Node, int], key) -> bool:
             if pos[j] >= i:
                 return False
     return True
+
+
+def pin_order(gm) -> int:
+    """Make each node marked with ``meta.RUN_AFTER`` depend on the marked nodes through
+    Inductor's own ``control_deps`` (what its overlap scheduler pins collectives with), so
+    that the generated code keeps a staggered order: Inductor otherwise issues a collective
+    right before its wait and fuses the two parts' norms into one kernel, which waits for
+    both all_reduces. Marks naming nodes a later pass replaced are dropped; on a torch
+    whose Inductor cannot compile ``control_deps`` (``torch_releases.CONTROL_DEPS_FROM``)
+    nothing is pinned. Returns the nodes pinned. Run last, on the
+    graph Inductor compiles."""
+    from .meta import RUN_AFTER
+
+    graph = gm.graph
+    named = {n.name: n for n in graph.nodes}
+    marks = {}
+    for n in graph.nodes:
+        deps = n.meta.pop(RUN_AFTER, None)
+        if n.op == "call_function" and deps and set(deps) <= named.keys():
+            marks[n] = [named[d] for d in deps]
+    from .torch_releases import CONTROL_DEPS_FROM, torch_version
+
+    if not marks or torch_version() < CONTROL_DEPS_FROM:
+        return 0
+    try:
+        from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
+        from torch.utils._ordered_set import OrderedSet
+    except ImportError:
+        return 0
+    from .analysis import is_barrier
+
+    preserve_node_ordering(graph, {n: OrderedSet(d) for n, d in marks.items()})
+    # each pinned node sits before what it now depends on: the least moves that fix that
+    owned = {n for n in graph.nodes if is_collective(n)}
+    reorder(graph, None, {n for n in graph.nodes if is_barrier(n, owned)})
+    return len(marks)

@@ -39,6 +39,14 @@ compare what each collective carries, not only its shape: two buckets of one siz
 different members on different ranks."""
 
 
+RUN_AFTER = "fxcoalesce_run_after"
+"""Node meta key: on a node of an order a pass staggered (``split``), the names of the nodes
+that must run before it (names survive graph copies): a wait after the compute that hides
+its collective, that compute after the collective's issue; so that Inductor neither issues
+late, waits early, nor fuses the hiding compute with compute after the wait
+(``graph_order.pin_order``)."""
+
+
 def origin(node: Node) -> str:
     return node.meta.get(ORIGIN, "?")
 

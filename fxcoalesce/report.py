@@ -94,24 +94,33 @@ class Report:
         details = [merge_line(b) for b in self.buckets]
         details += [kept_apart_line(d) for d in self.decisions
                     if d.get("pass") in ("bucket", "linearity") and d["chose"] != "merge all"]
+        # a split, or a decline at a size where it could have paid (decode sizes: the JSON)
+        details += [d["note"] for d in self.decisions if d.get("pass") == "split"
+                    and (d["chose"] != "whole" or d.get("tokens", 0) >= SPLIT_SHOWN_FROM)]
         if len(details) > SUMMARY_LINES:
             more = len(details) - SUMMARY_LINES + 1
             details = details[:SUMMARY_LINES - 1] + [f"... {more} more (report.to_json())"]
         return "\n".join(lines + [f"  {d}" for d in details])
 
 
+SPLIT_SHOWN_FROM = 32
+"""Token count from which :meth:`Report.summary` shows the split pass's decline (``passes.split``
+never splits fewer by cost); below, the reason is in ``to_json()``."""
+
 SUMMARY_LINES = 12
 """Most merge lines :meth:`Report.summary` prints; ``to_json()`` has them all."""
 
 KIND_COUNTS = {"cat": "bucketed", "sum": "summed", "slice": "sliced",
-               "fused_add_rms_norm": "fused", "one_shot": "lowered", "two_shot": "lowered"}
+               "fused_add_rms_norm": "fused", "one_shot": "lowered", "two_shot": "lowered",
+               "split": "split"}
 """A bucket's kind as the summary counts it: "bucketed" only for a concatenation."""
 
 KIND_RESULTS = {"cat": "one all_reduce, bucketed", "sum": "one all_reduce, summed",
                 "slice": "an all_reduce of the slice that is read",
                 "fused_add_rms_norm": "one kernel with the add + RMSNorm after it",
                 "one_shot": "a one-shot all_reduce (symmetric memory)",
-                "two_shot": "a two-shot all_reduce (symmetric memory)"}
+                "two_shot": "a two-shot all_reduce (symmetric memory)",
+                "split": "an all_reduce of one part of the tokens (token split)"}
 """What a collective a pass made is, by its kind: the right side of a merge line."""
 
 

@@ -18,11 +18,13 @@ from .lower import lower_pass
 from .result import PassResult
 from .schedule import schedule_pass
 from .slice import slice_pass
+from .split import split_pass
 
 PASSES = {
     "slice": slice_pass,
     "linearity": linearity_pass,
     "bucket": bucket_pass,
+    "split": split_pass,
     "fuse_norm": fuse_norm_pass,
     "lower": lower_pass,
     "schedule": schedule_pass,
@@ -40,9 +42,10 @@ SEQUENCE_PRESERVING = ("schedule",)
 """Passes that never change the collective sequence: they only move nodes, and keep the
 collectives in their current order (``graph_order.reorder`` chains them)."""
 
-READS_COMPUTE = ("slice", "linearity", "fuse_norm")
+READS_COMPUTE = ("slice", "linearity", "split", "fuse_norm")
 """Passes whose matches read compute around the collectives (the slice after a wait, the adds
-after the waits, the add and norm after a wait), which can differ between ranks."""
+after the waits, the ops around an all_reduce that keep a token split, the add and norm after
+a wait), which can differ between ranks."""
 
 
 def changes_sequence(cfg: Config) -> bool:
@@ -68,4 +71,5 @@ def program_order(cfg: Config) -> Config:
 
 __all__ = ["PASSES", "PassResult", "READS_COMPUTE", "SEQUENCE_PRESERVING", "bucket_pass",
            "changes_sequence", "check_config", "fuse_norm_pass", "linearity_pass", "lower_pass",
-           "program_order", "schedule_pass", "slice_pass", "without_compute_choices"]
+           "program_order", "schedule_pass", "slice_pass", "split_pass",
+           "without_compute_choices"]

@@ -36,11 +36,11 @@ from fxcoalesce.config import Config, CostModel, ProfileError
     ({"dump_dir": ""}, ValueError, "dump_dir is empty; None (the default) dumps nothing"),
     # regression: a misspelt pass was taken, and failed only when the backend was made
     ({"passes": ("bucket", "linarity")}, ValueError, "unknown pass name 'linarity' in passes; "
-     "did you mean 'linearity'? known: bucket, fuse_norm, linearity, lower, schedule, slice"),
+     "did you mean 'linearity'? known: bucket, fuse_norm, linearity, lower, schedule, slice, split"),
     ({"disable": ["Schedule"]}, ValueError, "unknown pass name 'Schedule' in disable; did you "
-     "mean 'schedule'? known: bucket, fuse_norm, linearity, lower, schedule, slice"),
+     "mean 'schedule'? known: bucket, fuse_norm, linearity, lower, schedule, slice, split"),
     ({"passes": ("nope",)}, ValueError, "unknown pass name 'nope' in passes; known: bucket, "
-     "fuse_norm, linearity, lower, schedule, slice"),
+     "fuse_norm, linearity, lower, schedule, slice, split"),
     # regression: Python's own "unexpected keyword argument", with no hint
     ({"reasociate": False}, TypeError, "Config() got an unexpected keyword argument "
      "'reasociate'; did you mean 'reassociate'?"),
@@ -48,7 +48,8 @@ from fxcoalesce.config import Config, CostModel, ProfileError
      "did you mean 'bucket_cap_mb'?"),
     ({"speed": "max"}, TypeError, "Config() got an unexpected keyword argument 'speed'; its "
      "fields: passes, disable, bucket_cap_mb, reassociate, strict, codegen, dump_dir, "
-     "slack_aware, check_ranks, agree_timeout_s, cost, dump_passes, run_checks, lower"),
+     "slack_aware, check_ranks, agree_timeout_s, cost, dump_passes, run_checks, token_split, "
+     "lower"),
 ])
 def test_config_refuses(kwargs, error, message):
     with pytest.raises(error) as info:

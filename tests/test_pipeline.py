@@ -146,7 +146,7 @@ def test_config_is_frozen():
 
 
 def test_disabled_pass_does_not_run():
-    cfg = Config(disable=("slice", "linearity", "bucket", "fuse_norm", "lower"))
+    cfg = Config(disable=("slice", "linearity", "bucket", "split", "fuse_norm", "lower"))
     assert cfg.enabled_passes == ("schedule",)
     out, report = run_pipeline(diamond(), cfg)
     # only the schedule pass ran, so nothing merged
@@ -269,8 +269,8 @@ def test_reports_accumulate_and_serialise():
         data["all_reduce"])
     # four 4x4 f32 all_reduces; AR2 + AR3 become one reduction of their sum (linearity)
     assert (data["all_reduce"]["bytes_before"], data["all_reduce"]["bytes_after"]) == (256, 192)
-    assert [p["name"] for p in data["passes"]] == ["slice", "linearity", "bucket", "fuse_norm",
-                                                   "lower", "schedule"]
+    assert [p["name"] for p in data["passes"]] == ["slice", "linearity", "bucket", "split",
+                                                   "fuse_norm", "lower", "schedule"]
     assert all(isinstance(p["ms"], float) for p in data["passes"])
     assert set(data["nodes"]) == {"before", "after"}
     assert data["warnings"] == [] and [b["kind"] for b in data["buckets"]] == ["sum"]

@@ -19,6 +19,8 @@
     fxcoalesce           torch.compile through fxcoalesce.backend(): since torch 2.14 Inductor's
                          comm reordering passes run after it (``compiler.backend``)
     fxcoalesce-no-reorder  fxcoalesce without them (torch 2.14+)
+    fxcoalesce-split     fxcoalesce with the token split forced on (``Config(token_split=True)``)
+    fxcoalesce-no-split  fxcoalesce with it off (``Config(token_split=False)``)
     no-comm              Inductor with every all_reduce replaced by a local scale (x * world
                          size): WRONG RESULTS BY DESIGN, the floor (what the step costs if
                          communication were free); never a default, never a reference
@@ -40,8 +42,9 @@ import dataclasses
 
 VARIANTS = ("eager", "inductor", "inductor-no-overlap", "inductor-bucketing", "inductor-overlap",
             "inductor-reorder", "inductor-one-shot", "hand-merged", "fxcoalesce",
-            "fxcoalesce-no-reorder", "no-comm")
-DEFAULT_VARIANTS = tuple(v for v in VARIANTS if v != "no-comm")
+            "fxcoalesce-no-reorder", "fxcoalesce-split", "fxcoalesce-no-split", "no-comm")
+DEFAULT_VARIANTS = tuple(v for v in VARIANTS
+                         if v not in ("no-comm", "fxcoalesce-split", "fxcoalesce-no-split"))
 WRONG_BY_DESIGN = ("no-comm",)
 """Variants whose results are wrong on purpose: flagged in every output, never a reference."""
 FLOOR = "no-comm"
@@ -282,4 +285,10 @@ def compile_variant(name: str, fn, label: str, *, cudagraphs: bool,
         # with options (fxcoalesce-no-reorder) CUDA graphs come as triton.cudagraphs, not a mode
         be = backend(on_graph=on_graph, mode=None if options else mode, options=options)
         return torch.compile(step, backend=be, **common)
+    if name in ("fxcoalesce-split", "fxcoalesce-no-split"):
+        from fxcoalesce.compiler import backend
+        from fxcoalesce.config import Config
+
+        cfg = Config(token_split=name == "fxcoalesce-split")
+        return torch.compile(step, backend=backend(cfg, on_graph=on_graph, mode=mode), **common)
     raise ValueError(f"unknown variant {name!r}; choose from: {', '.join(VARIANTS)}")
