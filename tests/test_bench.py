@@ -33,10 +33,11 @@ def refused(capsys, argv: list[str]) -> str:
     (["--variants", "eager,fast"], "--variants: unknown variant(s) 'fast'; choose from: "
      "eager, inductor, inductor-no-overlap, inductor-bucketing, inductor-overlap, "
      "inductor-reorder, inductor-one-shot, hand-merged, fxcoalesce, fxcoalesce-no-reorder, "
-     "no-comm"),
+     "fxcoalesce-split, fxcoalesce-no-split, no-comm"),
     (["--variants", ","], "--variants names none; choose from: eager, inductor, "
      "inductor-no-overlap, inductor-bucketing, inductor-overlap, inductor-reorder, "
-     "inductor-one-shot, hand-merged, fxcoalesce, fxcoalesce-no-reorder, no-comm"),
+     "inductor-one-shot, hand-merged, fxcoalesce, fxcoalesce-no-reorder, fxcoalesce-split, "
+     "fxcoalesce-no-split, no-comm"),
     (["--tokens", "3,0"], "--tokens must be at least 1, not 0"),
     (["--cudagraphs"], "--cudagraphs needs --device cuda (CUDA graphs capture GPU work)"),
     (["--trace"], "--trace needs --out DIR (the traces are written there)"),

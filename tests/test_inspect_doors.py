@@ -123,8 +123,12 @@ def test_factory_with_a_plan(factory, capsys, tmp_path):
     assert rows[-1]["source"] == "default" and rows[-1]["chose_the_rewrite"]
     measured = [r for r in rows if r["source"] != "default"]
     assert measured, "the repository's measured profiles are found from an editable install"
-    for r in measured:  # each labelled with where and how it was measured, its figures shown
+    # the default view: one predicted time, the model's that chose the rewrite, named
+    assert len(out.splitlines()) <= 16 and "from the default model (uncalibrated" in out, out
+    code, out, err = inspect(capsys, "--model", f"{factory}:make", "--tp", "4", "-v")
+    for r in measured:  # -v: each labelled with where and how it was measured, its figures
         assert "by `fxcoalesce calibrate" in r["label"], r
+        assert "/root/" not in r["label"], r  # no path of the machine it was measured on
         assert r["after_us"]["total"] < r["before_us"]["total"]
         assert f"    {r['name']}  " in out or f"    {r['name']} " in out
         assert f"    {r['name']}: {r['label']}\n" in out
