@@ -170,7 +170,10 @@ def rows(rec: dict) -> list[tuple[str, ...]]:
 
 def remarks(rec: dict) -> list[str]:
     """Skipped variants, warnings, and what a TP of 1 means."""
-    lines = [f"{name}: skipped ({why})" for name, why in rec.get("skipped", {}).items()]
+    lines = ["columns: a step's time over the rounds (the slowest rank's); launches and bytes "
+             "counted at run time; kernels hidden: compute kernels the generated code runs "
+             "between an all_reduce's launch and its wait; max abs err: against eager"]
+    lines += [f"{name}: skipped ({why})" for name, why in rec.get("skipped", {}).items()]
     lines += rec.get("notes", [])
     lines += noise_remarks(rec)
     if said := _compile_caches(rec):
