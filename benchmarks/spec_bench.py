@@ -48,6 +48,10 @@ def main(argv=None) -> int:
                    help="both decodings launch each step before reading the last (default: "
                         "on cuda; specdecode.LAUNCH_AHEAD)")
     p.add_argument("--warmup-tokens", type=int, default=64)
+    p.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
+                   help="weights and activations (default: bfloat16 on cuda, float32 on cpu); "
+                        "float32 tells near-ties of bf16 from faults: speculative tokens equal "
+                        "greedy's")
     p.add_argument("--out", required=True, help="JSON file (rewritten after every prompt)")
     args = p.parse_args(argv)
     from fxcoalesce.apps.spec.treechoice import parse_tree
@@ -64,11 +68,11 @@ def main(argv=None) -> int:
                       tokens=args.tokens, device=args.device, tree=tree, codegen=args.codegen,
                       mode=None if args.mode == "default" else args.mode,
                       warmup_tokens=args.warmup_tokens, progress=args.out,
-                      prefill_compiled=args.prefill == "compiled",
+                      prefill_compiled=args.prefill == "compiled", dtype=args.dtype,
                       launch_ahead=None if args.launch_ahead is None else args.launch_ahead == "on")
     print(f"spec_bench: {len(texts)} held-out prompts, TP {args.tp} on {args.device}, tree "
           f"{args.tree}, {args.codegen} mode {args.mode}, prefill {args.prefill}, launch ahead "
-          f"{'on' if ahead(opt) else 'off'}", flush=True)
+          f"{'on' if ahead(opt) else 'off'}, {args.dtype or 'default dtype'}", flush=True)
     if args.tp == 1:
         ranks = [spec_worker(0, 1, opt)]
     else:

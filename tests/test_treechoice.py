@@ -149,6 +149,50 @@ def test_decide_measures_caches_and_is_forced(real, tmp_path, monkeypatch):
     assert tc.decide((1, 3, 4), **kw)[0].shape == (1, 3, 4)
 
 
+def test_decide_times_the_finalists_as_the_decoding_runs_them(real, tmp_path, monkeypatch):
+    """With the decoding's steps given (a GPU: compiled), the screen's best predicted trees
+    are timed again with them and the choice follows those times: a finalist whose step is
+    slow as the decoding runs it loses, however fast its uncompiled screen was."""
+    import time
+
+    from fxcoalesce.models import eagle3_static as es
+
+    target, draft, tok = real
+    monkeypatch.setenv("FXCOALESCE_CACHE", str(tmp_path))
+    monkeypatch.setattr(tc, "CANDIDATES", ((1, 1, 2), (1, 2, 3), (1, 3, 4)))
+    monkeypatch.setattr(tc, "FINALISTS", 2)
+    prompt = tok.encode_chat("Why is the sky blue?")
+    target.setup_cache(1, 128)
+    draft.setup_cache(128 + 8)
+    calls = []
+
+    def step_fn(target, draft, state, pairs, spec):
+        calls.append(spec.total_tokens)
+        if spec.total_tokens == 4:
+            time.sleep(0.4)
+        return es.spec_step(target, draft, state, pairs, spec)
+
+    choice, rec = tc.decide("measure", target=target, draft=draft, tok=tok, head=HEAD,
+                            prompt=prompt, group=None, dev=torch.device("cpu"),
+                            dtype=torch.float32, compiled=(es.decode_step, step_fn))
+    screen = rec["screen"]["step_s"]
+    stored = json.loads((HEAD / tc.STATS_FILE).read_text())["float32"]
+    rates = {k: stored[k]["accepted_length"] / t for k, t in screen.items()}
+    finalists = sorted(rates, key=rates.get, reverse=True)[:2]
+    assert rec["timed"] == "compiled" and set(rec["step_s"]) == set(finalists)
+    assert set(calls) == {int(k.split(",")[2]) for k in finalists}  # only they ran again
+    if "1,3,4" in finalists:
+        assert rec["step_s"]["1,3,4"] > 0.4 > screen["1,3,4"]
+    assert choice.shape != (1, 3, 4)
+    again = tc.choose(rec["greedy_step_s"], rec["step_s"], rec["accepted"])
+    assert (choice.shape, choice.reason) == (again.shape, again.reason)
+    kw = dict(target=target, draft=draft, prompt=prompt, group=None, dev=torch.device("cpu"),
+              greedy_fn=es.decode_step, step_fn=step_fn, capture=False)
+    n = len(calls)
+    if choice.shape is not None:  # timed as it runs already: not again
+        assert tc.confirm(choice, rec, **kw).shape == choice.shape and len(calls) == n
+
+
 def test_confirm_turns_to_greedy_when_the_compiled_step_is_slower(real, tmp_path, monkeypatch):
     """After its compile the chosen tree's step is timed as it will run; a step that no
     longer beats greedy gives greedy, and the factor goes into the cached decision, which the

@@ -94,6 +94,8 @@ class SpecOptions:
     launch_ahead: bool | None = None
     """Both decodings launch each step before the host reads the last (``LAUNCH_AHEAD``);
     None: on the devices ``LAUNCH_AHEAD`` names."""
+    dtype: str | None = None
+    """"bfloat16" or "float32"; None: bfloat16 on a GPU, float32 on a CPU."""
 
 
 GUARD_FIRST, GUARD_EVERY, GUARD_RATIO = 8, 4, 0.97
@@ -216,7 +218,8 @@ def load(rank: int, world: int, opt: SpecOptions) -> Loaded:
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     group = dist.group.WORLD if world > 1 else None
-    dtype = torch.bfloat16 if cuda else torch.float32
+    dtype = getattr(torch, opt.dtype) if opt.dtype else (torch.bfloat16 if cuda else
+                                                            torch.float32)
     say = stderr_say if rank == 0 and not opt.quiet else None
     on = f"on {world} rank{'s' * (world > 1)}"
     with Phase(say, f"loading {smollm2.NAME} and its draft head {on}"):
@@ -289,20 +292,6 @@ def spec_worker(rank: int, world: int, opt: SpecOptions) -> dict:
     target, draft, tok, head_config = m.target, m.draft, m.tok, m.head_config
     cuda = dev.type == "cuda"
     choice, tree_record = None, {}
-    if opt.tree is None:
-        spec = es_spec(opt)
-    else:  # every rank measures the same steps; rank 0 decides, the others follow
-        with Phase(say, f"sizing the speculative tree from this machine's step times {on}"):
-            settings_key = f"{opt.codegen} {opt.mode}"
-            choice, tree_record = treechoice.decide(
-                opt.tree, target=target, draft=draft, tok=tok, head=Path(opt.draft),
-                prompt=list(opt.prompts[0]), group=group, dev=dev, dtype=dtype,
-                settings=settings_key, say=say, setup=lambda: m.setup_caches(opt))
-        spec = choice.spec
-        m.setup_caches(opt)  # as the compiled steps will find them
-        if say:
-            say(f"  tree: {choice.label()}; {choice.reason}")
-    greedy_chosen = spec is None
     reports: dict[str, list] = {"decode": [], "spec": []}  # one per compiled graph
     settings = dict(mode=opt.mode) if opt.mode else {}
 
@@ -312,16 +301,35 @@ def spec_worker(rank: int, world: int, opt: SpecOptions) -> dict:
                          label, []).append(report))
         return torch.compile(fn, backend=be, fullgraph=True, **kw)
 
+    # on a GPU the tree's finalists are timed as the decoding runs them: these compiled steps,
+    # which decode afterwards (the chosen tree's graph is compiled already)
+    decode_c = compiled(es.decode_step, "decode")
+    step_c = compiled(es.spec_step, "spec")
+    if opt.tree is None:
+        spec = es_spec(opt)
+    else:  # every rank measures the same steps; rank 0 decides, the others follow
+        with Phase(say, f"sizing the speculative tree from this machine's step times {on}"):
+            settings_key = f"{opt.codegen} {opt.mode}"
+            choice, tree_record = treechoice.decide(
+                opt.tree, target=target, draft=draft, tok=tok, head=Path(opt.draft),
+                prompt=list(opt.prompts[0]), group=group, dev=dev, dtype=dtype,
+                settings=settings_key, say=say, setup=lambda: m.setup_caches(opt),
+                compiled=(decode_c, step_c) if cuda and opt.greedy_compiled else None)
+        spec = choice.spec
+        m.setup_caches(opt)  # as the compiled steps will find them
+        if say:
+            say(f"  tree: {choice.label()}; {choice.reason}")
+    greedy_chosen = spec is None
     graphs = opt.mode == "reduce-overhead" and dev.type == "cuda"  # no CUDA graphs on a CPU
     how = f"fxcoalesce, codegen {opt.codegen}{', CUDA graphs' if graphs else ''}"
     # the first call compiles (Dynamo, AOTAutograd, the passes, the ranks' agreement)
     # greedy chosen: the greedy step is what decodes, compiled through fxcoalesce
     greedy_compiled = opt.greedy_compiled or greedy_chosen
-    decode = (first_call_announced(compiled(es.decode_step, "decode"), say,
+    decode = (first_call_announced(decode_c, say,
                                    f"compiling the greedy decode step ({how}) {on}")
               if greedy_compiled else es.decode_step)
     step = None if greedy_chosen else first_call_announced(
-        compiled(es.spec_step, "spec"), say,
+        step_c, say,
         f"compiling the speculative step: draft tree, verify, accept ({how}) {on}")
     greedy_prefill = spec_prefill = None
     if opt.prefill_compiled:  # one graph per 64 tokens of prompt (dynamic=False: no symbols)

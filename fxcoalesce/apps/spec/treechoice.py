@@ -14,8 +14,10 @@ tree, or greedy where no tree beats greedy by ``MARGIN``. What it is fed:
   slowest rank's counts; each candidate timed against a greedy step just before it).
   Uncompiled on a CPU (the demo's CPU path compiles with codegen "eager", which runs the
   same ATen ops); on a GPU, the replay of a CUDA graph that captured the step (what
-  ``mode="reduce-overhead"`` replays), eager where capture fails. Then, with a tree chosen,
-  its compiled step is timed again (``confirm``), the decoding checks itself from step 8,
+  ``mode="reduce-overhead"`` replays), eager where capture fails; then, on a GPU, the
+  ``FINALISTS`` of that screen again with the decoding's own compiled steps, the choice made
+  from those times (elsewhere the chosen tree's compiled step is timed once more:
+  ``confirm``). The decoding checks itself from step 8,
   every 4 steps, against the greedy baseline and lets greedy take over below 0.97x
   (``specdecode.GUARD_RATIO``), and what it realized is kept for the next run (``learn``).
 - **accepted lengths** (``simulate``): the decoder's own walk along a text the target wrote
@@ -46,15 +48,19 @@ import torch.distributed as dist
 from fxcoalesce.models import eagle3_static as es
 
 CANDIDATES = ((1, 1, 2), (1, 2, 3), (1, 3, 4), (1, 4, 5), (2, 3, 8), (4, 4, 16), (8, 6, 32),
-              (8, 6, 64))
+              (8, 6, 64), (8, 7, 96))
 """(top_k, depth, total_tokens) timed: chains of 1-4 draft tokens, then wider trees up to
-EAGLE-3's default (8, 6, 64), which a GPU verifies at about a greedy step's cost. Deeper ones
-were timed here once (session 14, an H100): (8,7,96) and (8,8,128) cost 5.53 and 5.78 ms
-against 5.23 for (8,6,64), uncompiled in CUDA graphs, for 3.10 and 3.23 tokens against 3.05
-(bf16, 8 prompts), and were never chosen. Decoded compiled (session 15, another H100, 32
-prompts), (8,7,96) was the fastest tree: +0.10 ms a step for 3.62 tokens against 3.44
-(docs/measurements.md). The timing here overstates a deeper tree's compiled cost ~3x; until
-it times compiled steps, ``--tree 8,7,96`` forces it."""
+EAGLE-3's default (8, 6, 64), which a GPU verifies at about a greedy step's cost, and one
+deeper. (8,7,96) and (8,8,128) cost 5.53 and 5.78 ms against 5.23 for (8,6,64), uncompiled in
+CUDA graphs (session 14, an H100), for 3.10 and 3.23 tokens against 3.05 (bf16, 8 prompts);
+decoded compiled (session 15, another H100, 32 prompts), (8,7,96) was the fastest tree: +0.10
+ms a step for 3.62 tokens against 3.44 (docs/measurements.md). The uncompiled timing
+overstates a deeper tree's compiled cost ~3x: on a GPU the finalists are timed compiled."""
+FINALISTS = 3
+"""On a GPU, the trees of the uncompiled screen's best predicted rates that are timed again
+compiled (``decide``'s ``compiled``: the steps the decoding runs, CUDA graphs and all); the
+choice is made among them from those times. Each costs a compile (a TreeSpec is a constant
+of the graph); the chosen one's is the decoding's."""
 MARGIN = 1.05
 """A tree is chosen only if its predicted tokens/s beats greedy's by this factor: the
 prediction's acceptance comes from other prompts, and the demo must never fall below
@@ -63,9 +69,10 @@ CALIBRATION = {"cpu": (2, 48), "cuda": (8, 96)}
 """Held-out prompts and new tokens each, measured when the head keeps no acceptance for the
 dtype (a GPU writes them in seconds)."""
 STATS_FILE = "acceptance.json"
-METHOD = 3
+METHOD = 4
 """How steps are timed and chosen (part of the cache key: a decision measured another way is
-not reused). 3: each candidate's median ratio to the greedy step timed just before it."""
+not reused). 3: each candidate's median ratio to the greedy step timed just before it; 4: on
+a GPU, the ``FINALISTS`` timed again compiled."""
 MODES = ("auto", "measure", "spec", "greedy")
 """``--tree``: auto (the cached decision, else measure), measure (anew, rewriting the
 cache), spec (the fastest tree even where greedy is faster), greedy; or K,D,N (forced)."""
@@ -389,20 +396,23 @@ def _broadcast(values: list[int], dev: torch.device, group) -> list[int]:
 
 @torch.no_grad()
 def decide(mode, *, target, draft, tok, head: Path, prompt: list[int], group, dev: torch.device,
-           dtype: torch.dtype, settings: str = "", say=None,
-           setup=None) -> tuple[Choice, dict]:
+           dtype: torch.dtype, settings: str = "", say=None, setup=None,
+           compiled=None) -> tuple[Choice, dict]:
     """The tree every rank decodes with (rank 0's decision, broadcast), and the record behind
     it (rank 0: times, accepted lengths, rates, where they came from, the cache file).
     ``mode``: a ``MODES`` entry or a forced (k, d, n). The caches must be set up for the
     largest candidate (``room_for_candidates``); ``setup()`` sets them up again after a
-    calibration has used them, before the timing."""
+    calibration has used them, before the timing. ``compiled``: (greedy step, speculative
+    step) as the decoding runs them: the ``FINALISTS`` are timed again with them, and the
+    choice is made from those times (``record["screen"]`` keeps the uncompiled ones)."""
     rank = dist.get_rank(group) if group is not None else 0
     world = dist.get_world_size(group) if group is not None else 1
     if mode == "greedy" or isinstance(mode, tuple):
         shape = None if mode == "greedy" else tuple(mode)
         return Choice(shape, f"forced by --tree {mode if shape is None else key_of(shape)}"), {
             "source": "forced"}
-    key = machine_key(dev, world, dtype, head, settings)
+    key = machine_key(dev, world, dtype, head,
+                      settings + (" compiled finalists" if compiled is not None else ""))
     cached = read_cached(key) if rank == 0 and mode in ("auto", "spec") else None
     stats = head_stats(head, dtype) if rank == 0 else None
     have = stats is not None and all(key_of(c) in stats for c in CANDIDATES)
@@ -427,9 +437,15 @@ def decide(mode, *, target, draft, tok, head: Path, prompt: list[int], group, de
             say(f"  timing a greedy step and {len(CANDIDATES)} tree shapes on "
                 f"{world} rank{'s' * (world > 1)} ...")
         greedy_s, step_s = time_steps(target, draft, prompt, CANDIDATES, group=group)
-        record = {"source": "measured", "measure_s": round(time.perf_counter() - t0, 1),
-                  "greedy_step_s": round(greedy_s, 5),
-                  "step_s": {k: round(v, 5) for k, v in step_s.items()}}
+        record = {"source": "measured", "greedy_step_s": round(greedy_s, 5),
+                  "step_s": {k: round(v, 5) for k, v in step_s.items()}, "timed": "uncompiled"}
+        if compiled is not None:
+            accepted = {k: stats[k]["accepted_length"] for k in step_s} if rank == 0 else {}
+            record = _compiled_finalists(record, accepted, compiled, target=target,
+                                         draft=draft, prompt=prompt, group=group, dev=dev,
+                                         say=say)
+            greedy_s, step_s = record["greedy_step_s"], record["step_s"]
+        record["measure_s"] = round(time.perf_counter() - t0, 1)
         if rank == 0:
             record["accepted"] = {k: stats[k]["accepted_length"] for k in step_s}
             record["acceptance_from"] = (f"{STATS_FILE} kept with the head" if not calibrate
@@ -457,6 +473,32 @@ def decide(mode, *, target, draft, tok, head: Path, prompt: list[int], group, de
     return best, record
 
 
+def _compiled_finalists(record: dict, accepted: dict, compiled, *, target, draft, prompt,
+                        group, dev, say) -> dict:
+    """``record`` with the step times of the uncompiled screen's ``FINALISTS`` (rank 0's
+    pick by predicted rate, broadcast) timed again with the compiled steps; the screen's
+    times kept under "screen"."""
+    if accepted:
+        rates = {k: accepted[k] / t for k, t in record["step_s"].items() if t > 0}
+        best = sorted(rates, key=rates.get, reverse=True)[:FINALISTS]
+        picks = [[key_of(c) for c in CANDIDATES].index(k) for k in best]
+    else:
+        picks = []
+    picks = [i for i in _broadcast(picks + [-1] * (FINALISTS - len(picks)), dev, group)
+             if i >= 0]
+    shapes = [CANDIDATES[i] for i in picks]
+    if say:
+        say(f"  timing the {len(shapes)} fastest predicted trees compiled, as the decoding "
+            f"runs them ({', '.join(map(key_of, shapes))}; each compiles first)")
+    greedy_fn, step_fn = compiled
+    greedy_s, step_s = time_steps(target, draft, prompt, shapes, group=group,
+                                  greedy_fn=greedy_fn, step_fn=step_fn, capture=False)
+    return {**record, "screen": {"greedy_step_s": record["greedy_step_s"],
+                                 "step_s": record["step_s"]},
+            "greedy_step_s": round(greedy_s, 5),
+            "step_s": {k: round(v, 5) for k, v in step_s.items()}, "timed": "compiled"}
+
+
 def corrected(record: dict) -> dict[str, float]:
     """The candidates' step times scaled by what compiling cost (``confirm``'s factor: the
     compiled step against the greedy step the decoding compares with, over the uncompiled
@@ -476,7 +518,7 @@ def confirm(choice: Choice, record: dict, *, target, draft, prompt: list[int], g
     # rank 0's record says whether there is a prediction to confirm (the others' records of
     # a cached decision are empty): one answer for all, or the ranks' timings would not pair
     go = int(rank == 0 and choice.shape is not None and record.get("source") != "forced"
-             and "step_s" in record)
+             and "step_s" in record and record.get("timed") != "compiled")
     if not _broadcast([go], dev, group)[0]:
         return choice
     key = key_of(choice.shape)
