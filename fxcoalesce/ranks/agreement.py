@@ -31,6 +31,8 @@ RECUT_WAIT_S = 10.0
 """The wait for a later graph of a function this rank runs rewritten: where every rank
 recompiles, the peers come within compile skew; where this rank re-cut alone, never."""
 POLL_S = (0.002, 0.05)
+PARTED = ("guards differ", "cut differently", "runs uncompiled")
+"""Ranks parted on a function for good (a skip holds in a group made anew): no wait again."""
 FRESH = ("agreed", "fell back")
 """Entries made from every rank's proposal, read while every rank waits for them."""
 
@@ -323,8 +325,7 @@ class RankEnv:
     timeout: Callable[[str], float | None] = lambda g: None
     local: dict = field(default_factory=dict)
     alone: dict = field(default_factory=dict)
-    """Function (:func:`family`) -> how its ranks parted ("guards differ": a rank recompiles
-    it alone; "cut differently"): its later graphs are not waited for."""
+    """Function (:func:`family`) -> how its ranks parted (:data:`PARTED`), for good."""
     rewritten: set = field(default_factory=set)
     """Functions this rank runs a rewritten graph of in this store: later graphs are tagged."""
     retired: set = field(default_factory=set)
@@ -714,7 +715,7 @@ class _Run:
                         said = missing
                     entry = self._step(closure, missing, time.monotonic() - t0, limit, bound)
                 if entry is not None:
-                    if entry["how"] in ("guards differ", "cut differently") and self.family:
+                    if entry["how"] in PARTED and self.family:
                         self.env.alone.setdefault(self.family, entry["how"])
                     self._warn(entry)
                     return entry, entry["how"], time.monotonic() - t0
