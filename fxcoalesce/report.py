@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import asdict, dataclass, field
 
 from .analysis import Analysis
@@ -170,24 +171,50 @@ def bound_analysis(before: Analysis, after: Analysis) -> Analysis:
     return before
 
 
-def verdict(before: Analysis, after: Analysis) -> str:
-    """One sentence: where the graph stands against its bound, and what was left alone."""
+def split_line(decisions: list[dict]) -> str | None:
+    """What the token split did, in one line: the all_reduces it runs in parts and the
+    predicted saving; else, where it could have paid (``SPLIT_SHOWN_FROM`` tokens on), why
+    not; None where it had nothing to say."""
+    mine = [d for d in decisions if d.get("pass") == "split"]
+    split = [d for d in mine if d["chose"] != "whole"]
+    if split:
+        n = sum(len(d["members"]) for d in split)
+        saving = sum(d.get("predicted_us", {}).get("saving", 0.0) for d in split)
+        forced = "forced by Config.token_split=True; " if "token_split=True" in \
+            split[0]["note"] else ""
+        whole = len(mine) - len(split)
+        return (f"{n} all_reduce(s) in 2 parts of the {split[0]['tokens']} tokens, each under "
+                f"the other part's compute: {forced}predicted {-saving / 1e3:+.3f} ms a step"
+                + (f"; {whole} stretch(es) left whole" if whole else ""))
+    shown = [d for d in mine if d.get("tokens", 0) >= SPLIT_SHOWN_FROM]
+    return f"not split: {shown[0]['note']}" if shown else None
+
+
+def verdict(before: Analysis, after: Analysis, decisions: list[dict] = ()) -> str:
+    """One sentence: where the graph stands against its bound, and what was left alone (and
+    the token split's launches above the bound, by design)."""
     if before.all_reduce_count == 0:
         return "no all_reduce in this graph"
     parts = []
     b = bound_analysis(before, after)
     bound = b.lower_bound
+    split = sum(len(d["members"]) for d in decisions
+                if d.get("pass") == "split" and d["chose"] != "whole")
+    after_n = after.analysed_count - split  # each split all_reduce: one launch more
     if before.analysed_count == 0:
         parts.append("nothing analysed")
     elif b is before and before.analysed_count == bound:
         parts.append("already at its bound: the all_reduces form dependency chains, and no "
                      "exact rewrite can merge links of a chain")
-    elif after.analysed_count <= bound:
+    elif after_n <= bound:
         parts.append("reached the lower bound")
     else:
-        parts.append(f"{after.analysed_count - bound} launch(es) above the bound "
+        parts.append(f"{after_n - bound} launch(es) above the bound "
                      "(the bucket cap, interlocked keys, or the first all_reduce kept apart "
                      "for the run-time check; see warnings)")
+    if split:
+        parts.append(f"the token split adds {split} launch(es) by design (each of {split} "
+                     "all_reduces in 2 parts, under the other part's compute)")
     if b.scan.skipped:
         reasons = sorted({why for _, why in b.scan.skipped})
         parts.append(f"{len(b.scan.skipped)} all_reduce(s) left alone and not in the "
@@ -276,7 +303,8 @@ def build_report(graph: str, before: Analysis, after: Analysis, *, cost: CostMod
         passes=passes, analysis_ms=round(analysis_ms, 3),
         nodes={"before": len(before.order), "after": len(after.order)},
         other_collectives=dict(before.scan.other),
-        warnings=warn + warnings, fell_back=fell_back, verdict=verdict(before, after),
+        warnings=warn + warnings, fell_back=fell_back,
+        verdict=verdict(before, after, decisions),
     )
 
 

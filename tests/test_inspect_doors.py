@@ -158,6 +158,22 @@ def test_factory_with_your_profile(factory, capsys, tmp_path):
     assert len(out.splitlines()) <= 15, out  # the default view; -v shows every profile
 
 
+def test_the_token_split_has_its_own_row(capsys):
+    """Full-size Llama-3-8B (4 layers) at 512 tokens on the P2P-off profile: the split's row
+    gives what it runs in parts and the saving; its parts are not listed as merges."""
+    from pathlib import Path
+
+    profile = (Path(__file__).resolve().parents[1] / "benchmarks/results"
+               / "gpu_h200x2_2026-11-30/calibrate_p2poff_overlap.json")
+    code, out, err = inspect(capsys, "--model", "llama-3-8b", "--layers", "4", "--tp", "2",
+                             "--tokens", "512", "--profile", str(profile))
+    assert code == 0, err
+    assert re.search(r"\n  token split +8 all_reduce\(s\) in 2 parts of the 512 tokens, each "
+                     r"under the other part's compute: predicted -\d\.\d{3} ms a step\n", out), out
+    assert "by design" in out and "above the bound" not in out and "what it merged" not in out
+    assert len(out.splitlines()) <= 15, out
+
+
 def tiny(*extra: str) -> list[str]:
     return ["--layers", "2", "--set", "hidden_size=128", "--set", "intermediate_size=256",
             "--set", "vocab_size=512", "--set", "num_attention_heads=4",

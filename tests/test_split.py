@@ -247,6 +247,31 @@ def test_summary_shows_a_decline_only_where_a_split_could_pay():
         assert note.startswith(f"{n} tokens: ") and (note in report.summary()) == shown
 
 
+def test_the_report_says_what_the_split_did_and_counts_its_launches_apart():
+    """The verdict does not call the split's parts launches above the bound, and the one line
+    of the split (inspect's "token split" row) gives the count and the predicted saving, or,
+    where it could have paid, why not."""
+    from fxcoalesce.pipeline import run_pipeline
+    from fxcoalesce.report import split_line
+
+    _, report = run_pipeline(llama_block(512), Config(cost=SLOW_LINK), record=False,
+                             emit=False)
+    saving = sum(d["predicted_us"]["saving"] for d in report.decisions if d["pass"] == "split")
+    assert report.all_reduce["after"] == 4 and report.all_reduce["lower_bound"] == 2
+    assert "above the bound" not in report.verdict
+    assert report.verdict.endswith("the token split adds 2 launch(es) by design (each of 2 "
+                                   "all_reduces in 2 parts, under the other part's compute)")
+    assert split_line(report.decisions) == (
+        "2 all_reduce(s) in 2 parts of the 512 tokens, each under the other part's compute: "
+        f"predicted {-saving / 1e3:+.3f} ms a step")
+    fast = CostModel(base_us=0.0, hop_us=0.0, bandwidth_gbps=1e4)
+    for n, said in ((512, "not split: 512 tokens: "), (16, None)):
+        _, report = run_pipeline(llama_block(n), Config(cost=fast), record=False, emit=False)
+        assert "token split" not in report.verdict
+        line = split_line(report.decisions)
+        assert (line is None) if said is None else line.startswith(said), line
+
+
 def test_same_graph_same_split():
     """The split is a function of the graph and the Config: two builds of one program
     issue the same collectives (what every rank relies on)."""

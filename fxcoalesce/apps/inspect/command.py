@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from fxcoalesce.config import Config, CostModel
-from fxcoalesce.report import merge_line
+from fxcoalesce.report import merge_line, split_line
 
 from fxcoalesce.apps.defaults import parameters_text
 from fxcoalesce.apps.inspect.check import CheckCost, check_cost
@@ -211,9 +211,10 @@ def _bytes_text(a: dict, check: CheckCost) -> str:
         f"  ({a['bytes_after']} + {check.bytes} of the run-time check)" if check.bytes else "")
 
 
-def _merge_lines(r, composed: bool, limit: int) -> list[str]:
-    """What the pipeline merged, one line a bucket, at most ``limit`` (then "... N more")."""
-    lines = [merge_line(b) for b in r.buckets]
+def _merge_lines(r, composed: bool, limit: int, parts: bool = True) -> list[str]:
+    """What the pipeline merged, one line a bucket, at most ``limit`` (then "... N more");
+    ``parts`` False: not the token split's parts (the default view gives them one row)."""
+    lines = [merge_line(b) for b in r.buckets if parts or b.get("kind") != "split"]
     if composed:  # FX names are the traced layers': the module paths are the model's own
         lines = [re.sub(r"  \[[^\]]*\]$", "", line) for line in lines]
     if not lines:
@@ -249,9 +250,10 @@ def summary_lines(t: Traced, check: CheckCost, rows, tp: int, composed: bool) ->
         ("run-time check", check.text().split("; Config(")[0]),
         ("other collectives", f"{other}; {len(r.buckets)} bucket(s)"),
         ("verdict", r.verdict),
+        *([("token split", split)] if (split := split_line(r.decisions)) else []),
         ("predicted", predicted),
     ])]
-    lines += _merge_lines(r, composed, 4)
+    lines += _merge_lines(r, composed, 4, parts=False)
     warned = f"; {len(r.warnings)} warning(s)" if r.warnings else ""
     lines.append(f"  traced in {t.seconds:.1f} s, the passes {r.total_ms:.1f} ms{warned}; -v: "
                  "every profile's prediction, the passes' times, the warnings")

@@ -392,15 +392,20 @@ def compose(before: GraphModule, after: GraphModule, report, plan: LayerPlan, *,
                   "bytes_after": nbytes(aa)}
     predict = predict_composed(segs)
     world = report.predicted_comm_us.get("world_size_assumed") or 2
-    text = verdict(ab, aa)
-    above = after_n - left_alone - bound
+    decisions = every_copy(report.decisions)
+    split = sum(len(d["members"]) for d in decisions
+                if d.get("pass") == "split" and d["chose"] != "whole")
+    text = verdict(ab, aa, report.decisions)
+    above = after_n - left_alone - bound - split
     text = re.sub(r"^\d+ launch\(es\) above the bound", f"{above} launch(es) above the bound",
                   text)
+    text = re.sub(r"token split adds \d+ launch\(es\) by design \(each of \d+",
+                  f"token split adds {split} launch(es) by design (each of {split}", text)
     text = re.sub(r"\d+ all_reduce\(s\) left alone", f"{left_alone} all_reduce(s) left alone",
                   text)
     composed = replace(
         report, all_reduce=all_reduce, chains=chains, buckets=every_copy(report.buckets),
-        decisions=every_copy(report.decisions),
+        decisions=decisions,
         nodes={"before": _node_count(before.graph, segs),
                "after": _node_count(after.graph, segs)},
         other_collectives=_other(ab.scan, segs),
