@@ -28,6 +28,10 @@ one takes every detail of it from that generator too, so its other features most
   (Dynamo skips the frame there), a recompile limit reached, or ``torch.compiler.disable``;
 - ``dynint``: ``dynamic=True`` with branches on the int argument ``step`` and on the rank
   (``if RANK == 0 and (step + 1) % N == 0: print(...)``) for 30-200 steps.
+
+Issue 50's token split (``split.forced``: the step function compiled with
+``Config(token_split=True)``, its token-parallel stretches run in two staggered parts) is drawn
+from a third generator (``SPLIT``), so that no other draw moves.
 """
 
 from __future__ import annotations
@@ -41,6 +45,12 @@ DTYPES = ("float32", "float16", "bfloat16")
 CLASSES = {"threads": 0.05, "raise": 0.06, "regroup_then": 0.05, "dynint": 0.05}
 """Issue 49's classes and the chance of each (drawn by ``_side``; threads leave
 ``regroup_then`` out: a thread's group does not survive the default group's end)."""
+
+
+SPLIT = 0.12
+"""The chance of ``split.forced``, drawn from ``random.Random(f"token split 0 {seed}")``
+(a seed string under which none of the fixed seeds of ``tests/test_fuzz_ranks.py`` draws it:
+their programs are those they were; one more fixed seed draws it)."""
 
 
 def _side(seed: int) -> tuple[random.Random, set[str]]:
@@ -405,6 +415,9 @@ def generate(seed: int, world: int, inductor: bool | None = None) -> Program:
     head = d.p(0.25)
     if head:
         d.feature("compile.two_fns")
+    if random.Random(f"token split 0 {seed}").random() < SPLIT:
+        d.feature("split.forced")
+        kw += ", split=True"
     drawn = d.p(0.1)  # drawn even when given: the text never depends on it (the runner's)
     inductor = drawn if inductor is None else inductor
     text = _render(d, dtype, group_lines, head, seq, kw, regroup, bad)  # draws features too

@@ -111,9 +111,10 @@ def randn(seed: int, step: int, rank: int, shape, dtype) -> torch.Tensor:
     return torch.randn(*shape, generator=gen).to(dtype)
 
 
-def compile(fn, **kw):
-    """``fn`` compiled as the variant says (eager: not compiled); the step that makes its
-    first call is marked, so the oracle can leave compile time out of the comparison."""
+def compile(fn, split: bool = False, **kw):
+    """``fn`` compiled as the variant says (eager: not compiled; ``split``: fxcoalesce's
+    token split forced on); the step that makes its first call is marked, so the oracle can
+    leave compile time out of the comparison."""
     if VARIANT == "eager":
         compiled = fn
     elif VARIANT == "plain":
@@ -121,12 +122,20 @@ def compile(fn, **kw):
     else:
         import fxcoalesce
 
-        if VARIANT == "fxcoalesce" and INDUCTOR:
+        if VARIANT == "fxcoalesce" and INDUCTOR and not split:
             backend = "fxcoalesce"
         else:
             extra = {} if INDUCTOR else {"codegen": "eager"}
+            hear = {}
+            if split:  # what the split did, on stderr: the run's notes show it
+                from fxcoalesce.report import split_line
+
+                extra["token_split"] = True
+                hear["on_graph"] = lambda before, after, report: print(
+                    f"fxcoalesce split: {split_line(report.decisions)}", file=sys.stderr,
+                    flush=True)
             backend = fxcoalesce.backend(fxcoalesce.Config(check_ranks=VARIANT == "check",
-                                                           **extra))
+                                                           **extra), **hear)
         compiled = torch.compile(fn, backend=backend, **kw)
     calls = [0]
 
