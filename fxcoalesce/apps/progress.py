@@ -22,8 +22,10 @@ import threading
 import time
 from collections.abc import Callable
 
-HEARTBEAT_S = float(os.environ.get("FXCOALESCE_HEARTBEAT_S", "10"))
-"""Seconds between "still ..." lines (FXCOALESCE_HEARTBEAT_S changes it, e.g. for tests)."""
+HEARTBEAT_S = float(os.environ.get("FXCOALESCE_HEARTBEAT_S", "8"))
+"""Seconds between "still ..." lines (FXCOALESCE_HEARTBEAT_S changes it, e.g. for tests): 8,
+so that no silence passes 10 s where Dynamo holds the interpreter past a tick (10 gave one
+gap of 10.5 s tracing the Kimi-K2 verify step at TP 8)."""
 BAR_WIDTH = 24
 
 
