@@ -27,12 +27,13 @@ from sweep_sizes import faster, paired  # noqa: E402
 VARIANTS = "inductor,fxcoalesce-no-split,fxcoalesce-split,no-comm"
 
 
-def predictions(tokens: list[int], dim: int, layers: int, link_gbps: float | None
-                ) -> dict[int, dict]:
+def predictions(tokens: list[int], dim: int, layers: int, link_gbps: float | None,
+                profile: str | None = None) -> dict[int, dict]:
     """Per token count: the split's predicted saving (ms a step, forced on) and the choice
     the cost model makes, from the pass's report on a fake-traced step: the default model
-    (what the bench compiled with: a 20 GB/s PCIe ring) and, with ``link_gbps``, a ring at
-    the emulated link's rate (what a calibrated profile of it would say, roughly)."""
+    (what the bench compiled with: a 20 GB/s PCIe ring) and, as "link", ``profile`` (a
+    ``fxcoalesce calibrate`` of the link) or else a ring at ``link_gbps``, the emulated
+    link's rate."""
     import torch
 
     from fxcoalesce.apps.launch import init_fake_group
@@ -46,8 +47,9 @@ def predictions(tokens: list[int], dim: int, layers: int, link_gbps: float | Non
     for n in tokens:
         row = {}
         configs = [("forced", Config(token_split=True)), ("by_cost", Config())]
-        if link_gbps:
-            link = CostModel(bandwidth_gbps=link_gbps)
+        if profile or link_gbps:
+            link = (CostModel.from_profile(profile) if profile else
+                    CostModel(bandwidth_gbps=link_gbps))
             configs += [("forced_link", Config(token_split=True, cost=link)),
                         ("by_cost_link", Config(cost=link))]
         for key, cfg in configs:
@@ -70,7 +72,7 @@ def summarize(bench: dict, pred: dict) -> tuple[list[dict], str]:
     rows, lines = [], ["| tokens | inductor ms | no-split ms | split ms | no-comm ms | split "
                        "vs inductor | split vs no-split: rounds split faster, median gain ms | "
                        "exposed comm inductor -> split ms | predicted saving ms (default; "
-                       "link ring) | by cost (default; link ring) |", "|" + "---|" * 10]
+                       "link) | by cost (default; link) |", "|" + "---|" * 10]
     for rec in bench if isinstance(bench, list) else [bench]:
         v = rec["variants"]
         n = rec["tokens"]
@@ -126,6 +128,8 @@ def main() -> None:
     ap.add_argument("--predict", action="store_true", help="predict again (with --summarize-only)")
     ap.add_argument("--link-gbps", type=float, default=0.125,
                     help="the link's rate for the second prediction (GB/s; 0.125 = 1 Gbit/s)")
+    ap.add_argument("--profile", help="the second prediction from this profile of the link "
+                                      "(fxcoalesce calibrate over it) instead of a ring")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -143,7 +147,8 @@ def main() -> None:
         print(f"  bench: {time.monotonic() - t0:.0f} s", file=sys.stderr)
     if not args.summarize_only or args.predict:
         (out / "predictions.json").write_text(json.dumps(
-            predictions(tokens, args.dim, args.layers, args.link_gbps), indent=2))
+            predictions(tokens, args.dim, args.layers, args.link_gbps, args.profile),
+            indent=2))
     bench = json.loads((where / "bench.json").read_text())
     pred = json.loads((out / "predictions.json").read_text())
     rows, table = summarize(bench, pred)
