@@ -73,6 +73,7 @@ def summarize(bench: dict, pred: dict) -> tuple[list[dict], str]:
                        "vs inductor | split vs no-split: rounds split faster, median gain ms | "
                        "exposed comm inductor -> split ms | predicted saving ms (default; "
                        "link) | by cost (default; link) |", "|" + "---|" * 10]
+    overlap_lines: list[str] = []
     for rec in bench if isinstance(bench, list) else [bench]:
         v = rec["variants"]
         n = rec["tokens"]
@@ -95,6 +96,15 @@ def summarize(bench: dict, pred: dict) -> tuple[list[dict], str]:
                "predicted_saving_link_ms": p.get("forced_link", {}).get("saving_ms"),
                "by_cost": p.get("by_cost", {}).get("chose"),
                "by_cost_link": p.get("by_cost_link", {}).get("chose")}
+        if (ov := v.get("inductor-overlap")) is not None:  # Inductor 2.15's own best
+            row |= {"split_vs_overlap": med["inductor-overlap"] / med["fxcoalesce-split"],
+                    "split_beats_overlap": faster(split, ov),
+                    "overlap_beats_split": faster(ov, split)}
+            against = ("faster" if row["split_beats_overlap"] else "slower"
+                       if row["overlap_beats_split"] else "tie")
+            overlap_lines.append(f"| {n} | {med['inductor-overlap']:.2f} | "
+                                 f"{med['fxcoalesce-split']:.2f} | "
+                                 f"{row['split_vs_overlap']:.2f}x ({against}) |")
         rows.append(row)
         exposed = (f"{med['inductor'] - floor:.1f} -> {med['fxcoalesce-split'] - floor:.1f}"
                    if floor is not None else "-")
@@ -108,6 +118,9 @@ def summarize(bench: dict, pred: dict) -> tuple[list[dict], str]:
             f" | {exposed} | {_ms(row['predicted_saving_ms'])}; "
             f"{_ms(row['predicted_saving_link_ms'])} | {','.join(row['by_cost'] or ['-'])}; "
             f"{','.join(row['by_cost_link'] or ['-'])} |")
+    if overlap_lines:
+        lines += ["", "| tokens | inductor-overlap ms | split ms | split vs inductor-overlap |",
+                  "|---|---|---|---|", *overlap_lines]
     return rows, "\n".join(lines)
 
 
@@ -124,6 +137,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=7200)
+    ap.add_argument("--variants", default=VARIANTS, help="bench's variants (add "
+                    "inductor-overlap under torch >= 2.15: its overlap scheduler, bucketing)")
     ap.add_argument("--summarize-only", action="store_true")
     ap.add_argument("--predict", action="store_true", help="predict again (with --summarize-only)")
     ap.add_argument("--link-gbps", type=float, default=0.125,
@@ -139,7 +154,7 @@ def main() -> None:
         cli = Path(sys.executable).parent / "fxcoalesce"
         cmd = [str(cli), "bench", "--model", "llama-tiny", "--step", "forward", "--dim",
                str(args.dim), "--layers", str(args.layers), "--tokens", args.tokens,
-               "--variants", VARIANTS, "--steps", str(args.steps), "--warmup",
+               "--variants", args.variants, "--steps", str(args.steps), "--warmup",
                str(args.warmup), "--out", str(where)]
         print("$ fxcoalesce", " ".join(cmd[1:]), file=sys.stderr, flush=True)
         t0 = time.monotonic()
