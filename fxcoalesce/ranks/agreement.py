@@ -789,10 +789,18 @@ class _Run:
     def _uncompiled(self, missing: list[int]) -> tuple[str, str] | None:
         """A missing peer's Dynamo is done with this function at or before where this graph
         starts without proposing it (``hooks``): it runs it uncompiled from there, or it
-        compiled it from here cut otherwise, before any collective (a disabled call first)."""
+        compiled it from here cut otherwise, before any collective (a disabled call first),
+        or it compiled a function that this rank runs uncompiled and that calls this one
+        (``outer``): that graph inlines this one or breaks at it."""
         pos = self.proposal["pos"]
+        mine = {s["fam"] for s in self.ex.frames(self.rank) if s["how"] == "skipped"}
+        outer = _inside(dict.fromkeys(mine - {self.family})) if mine else None
         for q in missing:
             for s in self.ex.frames(q):
+                if outer and s["fam"] == outer and s["how"] == "compiled":
+                    return "cut differently", (f"rank {q} compiled {outer.split('@')[0]}, "
+                                               "which this rank runs uncompiled around this "
+                                               "graph: it will not propose it")
                 if s["fam"] != self.family:
                     continue
                 theirs = [(s["pos"].get(g, -1), at) for g, at in pos.items() if at is not None]
