@@ -49,6 +49,7 @@ def costs(tp: int) -> dict:
 def row(before, cfg, tokens: int) -> dict:
     """The pipeline on ``before`` with ``cfg``, by cost and forced: the split's decisions."""
     from fxcoalesce.pipeline import run_pipeline
+    from fxcoalesce.report import split_taken
 
     out = {}
     for how, split in (("by cost", None), ("forced", True)):
@@ -56,7 +57,7 @@ def row(before, cfg, tokens: int) -> dict:
         _, report = run_pipeline(before, replace(cfg, token_split=split), record=False,
                                  emit=False)
         mine = [d for d in report.decisions if d.get("pass") == "split"]
-        taken = [d for d in mine if d["chose"] != "whole"]
+        taken = split_taken(mine)
         pred = report.predicted_comm_us
         out[how] = {
             "stretches": len(mine), "split": len(taken),

@@ -171,12 +171,17 @@ def bound_analysis(before: Analysis, after: Analysis) -> Analysis:
     return before
 
 
+def split_taken(decisions: list[dict]) -> list[dict]:
+    """The token split's decisions that split (each names its all_reduces in ``members``)."""
+    return [d for d in decisions if d.get("pass") == "split" and d["chose"] != "whole"]
+
+
 def split_line(decisions: list[dict]) -> str | None:
     """What the token split did, in one line: the all_reduces it runs in parts and the
     predicted saving; else, where it could have paid (``SPLIT_SHOWN_FROM`` tokens on), why
     not; None where it had nothing to say."""
     mine = [d for d in decisions if d.get("pass") == "split"]
-    split = [d for d in mine if d["chose"] != "whole"]
+    split = split_taken(mine)
     if split:
         n = sum(len(d["members"]) for d in split)
         saving = sum(d.get("predicted_us", {}).get("saving", 0.0) for d in split)
@@ -198,8 +203,7 @@ def verdict(before: Analysis, after: Analysis, decisions: list[dict] = ()) -> st
     parts = []
     b = bound_analysis(before, after)
     bound = b.lower_bound
-    split = sum(len(d["members"]) for d in decisions
-                if d.get("pass") == "split" and d["chose"] != "whole")
+    split = sum(len(d["members"]) for d in split_taken(decisions))
     after_n = after.analysed_count - split  # each split all_reduce: one launch more
     if before.analysed_count == 0:
         parts.append("nothing analysed")

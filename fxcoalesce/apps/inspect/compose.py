@@ -352,7 +352,7 @@ def compose(before: GraphModule, after: GraphModule, report, plan: LayerPlan, *,
     ``after``), or why it cannot be composed (a merge across layers, a layer whose chains
     do not follow the previous layer's)."""
     from fxcoalesce.analysis import analyze
-    from fxcoalesce.report import bound_analysis, verdict
+    from fxcoalesce.report import bound_analysis, split_taken, verdict
 
     segs = Segments(plan)
     for b in report.buckets:
@@ -393,8 +393,7 @@ def compose(before: GraphModule, after: GraphModule, report, plan: LayerPlan, *,
     predict = predict_composed(segs)
     world = report.predicted_comm_us.get("world_size_assumed") or 2
     decisions = every_copy(report.decisions)
-    split = sum(len(d["members"]) for d in decisions
-                if d.get("pass") == "split" and d["chose"] != "whole")
+    split = sum(len(d["members"]) for d in split_taken(decisions))
     text = verdict(ab, aa, report.decisions)
     above = after_n - left_alone - bound - split
     text = re.sub(r"^\d+ launch\(es\) above the bound", f"{above} launch(es) above the bound",
