@@ -280,12 +280,25 @@ def looped_partly(x, ws, step):
     return x
 
 
+def looped_c10d(x, ws, step):
+    """``looped`` with ``dist.all_reduce`` in place: where Dynamo runs it uncompiled, the
+    watched call goes through ``dist``'s own function, not the functional op."""
+    for w in ws:
+        a, b = x @ w, x * 2
+        dist.all_reduce(a)
+        dist.all_reduce(b)
+        x = torch.tanh(a + b)
+        if CFG.verbose:
+            print("verbose", flush=True)
+    return x
+
+
 def _skip_run(rank, world, who, fn, hook="auto"):
     torch.set_num_threads(1)
     fxcoalesce.ranks.hooks.SKIP_HOOK = hook  # "call": where Dynamo has no _handle_skip
     gen = torch.Generator().manual_seed(0)
     ws = [torch.randn(8, 8, generator=gen) * 0.1 for _ in range(2)]
-    fn = {"looped": looped, "looped_partly": looped_partly}[fn]
+    fn = {"looped": looped, "looped_partly": looped_partly, "looped_c10d": looped_c10d}[fn]
     f = compiled(fn)
     on = {"one": rank == 0, "all": True}[who]  # verbose from step 2 on: rank 0, or all
     out = run_steps(f, fn, lambda s: (torch.ones(4, 8) * (rank + s + 1), ws, s), 4,
@@ -294,7 +307,7 @@ def _skip_run(rank, world, who, fn, hook="auto"):
 
 
 @pytest.mark.parametrize("fn,hook", [("looped", "auto"), ("looped_partly", "auto"),
-                                     ("looped", "call"),
+                                     ("looped", "call"), ("looped_c10d", "auto"),
                                      pytest.param("looped_partly", "call", marks=pytest.mark.slow)])
 def test_a_skip_at_a_recompile_on_one_rank_stops_every_rank_at_once(fn, hook):
     """``call``: Dynamo's results heard at ``CatchErrorsWrapper.__call__``, as on torch 2.11,

@@ -606,6 +606,7 @@ def agree_graph(name: str, cfg: Config, steps: list[Step], program: Sequence,
     key = d if mine.round == 1 else f"{d}.{mine.round}"
     run = _Run(name, cfg, env, key, steps, program, canon, check_ranks)
     run.cut, run.family, run.marked = cut, fam or None, marked or committed
+    run.checked_only = evident and check_ranks
     run.inside = _inside(env.alone) if env.alone else None
     run.proposal = ex.propose(key, {
         "groups": [[g, members[g]] for g in groups],
@@ -689,7 +690,7 @@ class _Run:
         self.program, self.canon, self.check_ranks = program, canon, check_ranks
         self.rank, self.proposal, self.cut, self.family = self.ex.rank, {}, None, None
         self.inside: str | None = None
-        self.marked = False
+        self.marked = self.checked_only = False
         self.proposals: dict[int, dict] = {}
 
     def _entry_of(self, entries: list[dict]) -> dict | None:
@@ -749,11 +750,14 @@ class _Run:
 
     def _limit(self) -> tuple[float, str]:
         """(the longest wait, what sets it): ``agree_timeout_s``, :data:`RECUT_WAIT_S` for a
-        later graph of a function this rank runs rewritten, or half the shortest timeout of
-        the graph's groups where that is shorter."""
+        later graph of a function this rank runs rewritten or a graph compared for
+        ``check_ranks`` alone (every step issues the program's order here), or half the
+        shortest timeout of the graph's groups where that is shorter."""
         limit, bound = timeout_s(self.cfg), "agree_timeout_s"
         if self.marked and RECUT_WAIT_S < limit:
             limit, bound = RECUT_WAIT_S, "a later graph of a function this rank runs rewritten"
+        elif self.checked_only and RECUT_WAIT_S < limit:
+            limit, bound = RECUT_WAIT_S, "a graph compared for check_ranks alone"
         for g in self.proposal["pos"]:
             t = self.env.timeout(g)
             if t is not None and t / 2 < limit:  # a peer already in a collective outlives it

@@ -1,16 +1,9 @@
-"""The hooks that hear Dynamo: what it made of every frame on this rank, in this rank's thread.
-
-- Each frame Dynamo is done with is noted in the store (``store.framed``: compiled or skipped,
-  and where): a peer waiting for a graph this rank will not propose stops waiting.
-- A frame it runs uncompiled (a skip, the recompile limit, a failed compile, a graph break it
-  cannot resume from) where this rank runs the function rewritten is watched for that call
-  (:class:`Uncompiled`): the all_reduce where a rewritten graph carries its tag
-  (``checked.Firsts``) carries :data:`~.store.RESERVED_ID`. Every peer uncompiled too: the
-  check holds, the rewrite retires, the call goes on right. A peer runs the rewrite: both
-  checks fail there. Nothing happens before that collective (a user's exception raised
-  earlier reaches the user; a call with no collective is no event). Collectives are seen
-  through the functional ops' packets and ``dist``'s functions, swapped for that call and
-  thread only (a dispatch mode would make Dynamo skip every frame it meets, for good).
+"""The hooks that hear Dynamo (part 3 of the package docstring's argument), in this rank's
+thread: each frame Dynamo is done with is noted in the store (``store.framed``); a frame it
+runs uncompiled where this rank runs the function rewritten is watched for that call
+(:class:`Uncompiled`), its collectives seen through the functional ops' packets and
+``dist``'s functions, swapped for that call and thread only (a dispatch mode would make
+Dynamo skip every frame it meets, for good).
 """
 
 from __future__ import annotations
