@@ -149,6 +149,10 @@ class CostModel:
     """Share of a collective that compute running in its window hides: hidden =
     efficiency · min(T, window). 1 = perfect overlap; ``calibrate`` measures it (NCCL's
     kernels share the GPU with the compute they overlap)."""
+    overlap_curve: tuple[tuple[int, float], ...] = ()
+    """The efficiency per all_reduce size, ``((bytes, efficiency), ...)`` ascending, where
+    ``calibrate`` measured it: a collective's own size reads it (log-linear between points,
+    the end points beyond); ``overlap_efficiency`` where it is empty or no size is known."""
 
     def __post_init__(self):
         compute = [v for v in (self.peak_tflops, self.memory_gbps, self.kernel_us)
@@ -163,10 +167,30 @@ class CostModel:
         if not (isinstance(self.overlap_efficiency, (int, float))
                 and 0.0 <= self.overlap_efficiency <= 1.0):
             raise ValueError("CostModel.overlap_efficiency must be between 0 and 1")
+        curve = self.overlap_curve
+        if not all(isinstance(b, int) and b > 0 and isinstance(e, (int, float))
+                   and 0.0 <= e <= 1.0 for b, e in curve) or \
+                [b for b, _ in curve] != sorted({b for b, _ in curve}):
+            raise ValueError("CostModel.overlap_curve must be ((bytes > 0, efficiency in "
+                             "[0, 1]), ...) in ascending bytes")
 
-    def hidden_us(self, t_us: float, window_us: float) -> float:
-        """The part of a collective of ``t_us`` hidden by ``window_us`` of compute."""
-        return self.overlap_efficiency * max(0.0, min(t_us, window_us))
+    def efficiency(self, nbytes: int | None = None) -> float:
+        """The overlap efficiency of an all_reduce of ``nbytes`` (:attr:`overlap_curve`)."""
+        curve = self.overlap_curve
+        if not curve or nbytes is None:
+            return self.overlap_efficiency
+        if nbytes <= curve[0][0]:
+            return curve[0][1]
+        for (b0, e0), (b1, e1) in zip(curve, curve[1:]):
+            if nbytes <= b1:
+                w = math.log(nbytes / b0) / math.log(b1 / b0)
+                return e0 + w * (e1 - e0)
+        return curve[-1][1]
+
+    def hidden_us(self, t_us: float, window_us: float, nbytes: int | None = None) -> float:
+        """The part of a collective of ``t_us`` (``nbytes``) hidden by ``window_us`` of
+        compute."""
+        return self.efficiency(nbytes) * max(0.0, min(t_us, window_us))
 
     def impl_us(self, impl: str, nbytes: int, world_size: int) -> float | None:
         """Predicted time of one all_reduce of ``nbytes`` run by ``impl`` ("nccl" is
@@ -257,6 +281,10 @@ def _read_profile(path: Path) -> dict:
                    if k in ("peak_tflops", "memory_gbps", "kernel_us")}
         if "overlap" in data:
             compute["overlap_efficiency"] = float(data["overlap"]["efficiency"])
+            curve = sorted((int(q["bytes"]), float(q["efficiency"]))
+                           for q in data["overlap"].get("points", ()))
+            if any(not 0.0 <= e <= 1.0 for _, e in curve):
+                raise ValueError("an overlap point's efficiency is not between 0 and 1")
     except (TypeError, ValueError, KeyError) as e:
         raise ProfileError(f"cost profile {path}: bad value ({e}); {hint}") from None
     numbers = [profile.alpha_us, profile.beta_us_per_byte, *compute.values()] + [
@@ -267,7 +295,10 @@ def _read_profile(path: Path) -> dict:
     if compute.get("overlap_efficiency", 0.0) > 1.0:
         raise ProfileError(f"cost profile {path}: overlap.efficiency must be between 0 and 1; "
                            f"{hint}")
-    return {"profile": profile, **compute}
+    out = {"profile": profile, **compute}
+    if "overlap" in data:
+        out["overlap_curve"] = tuple(dict(curve).items())
+    return out
 
 
 def unknown_pass(name: str, where: str = "passes") -> str:

@@ -4,7 +4,7 @@
     hidden(c)  = e · min(T(c), compute between c's input and its first consumer)
     exposed(c) = T(c) - hidden(c)
 
-with ``e`` the profile's overlap efficiency (1 unless ``calibrate`` measured it).
+with ``e`` the profile's overlap efficiency at c's size (1 unless ``calibrate`` measured it).
 
 A prediction, not a measurement: the node order is the one the passes chose, and compute is a
 roofline (``max(flops / peak, bytes / bandwidth)`` plus a launch cost for matmuls and
@@ -127,7 +127,8 @@ def predict(analysis: Analysis, cost: CostModel, world: int) -> dict[str, float]
     for info in analysis.infos:
         t = cost.all_reduce_us(info.block.nbytes, world)
         total += t
-        hidden += cost.hidden_us(t, prefix[info.need] - prefix[info.ready + 1])
+        hidden += cost.hidden_us(t, prefix[info.need] - prefix[info.ready + 1],
+                                 info.block.nbytes)
     return {"total": round(total, 1), "hidden": round(hidden, 1),
             "exposed": round(total - hidden, 1)}
 
@@ -157,6 +158,7 @@ def split_exposed_us(cost: CostModel, world: int, nbytes: int, shares: tuple[flo
     under B's compute before B's all_reduce, B's under A's compute after A's wait)."""
     exposed = 0.0
     for share, window in zip(shares, windows):
-        t = cost.all_reduce_us(int(nbytes * share), world)
-        exposed += t - cost.hidden_us(t, window)
+        part = int(nbytes * share)
+        t = cost.all_reduce_us(part, world)
+        exposed += t - cost.hidden_us(t, window, part)
     return exposed

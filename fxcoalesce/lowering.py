@@ -162,10 +162,12 @@ def under_cudagraphs() -> bool:
     return bool(config.triton.cudagraphs)
 
 
-def exposed_us(impl: str, us: float, window_us: float, cfg: Config) -> float:
-    """What of an all_reduce of ``us`` the compute in its window leaves exposed: NCCL runs
-    on its own stream; the symmetric-memory kernels run on the compute stream."""
-    return us - cfg.cost.hidden_us(us, window_us) if impl == "nccl" else us
+def exposed_us(impl: str, us: float, window_us: float, cfg: Config,
+               nbytes: int | None = None) -> float:
+    """What of an all_reduce of ``us`` (``nbytes``) the compute in its window leaves
+    exposed: NCCL runs on its own stream; the symmetric-memory kernels run on the compute
+    stream."""
+    return us - cfg.cost.hidden_us(us, window_us, nbytes) if impl == "nccl" else us
 
 
 def options(key: Key, nbytes: int, world: int | None, backend: str | None, cfg: Config,

@@ -68,7 +68,7 @@ class Decider:
         rank's estimate); without, implementations are compared by their whole time."""
         totals, why = options(key, nbytes, self.world, self.backend, self.cfg, self.impls)
         window = self._window(ready, need) if self.cfg.slack_aware else 0.0
-        return {i: exposed_us(i, us, window, self.cfg) for i, us in totals.items()}, why
+        return {i: exposed_us(i, us, window, self.cfg, nbytes) for i, us in totals.items()}, why
 
     def exposed(self, members: list[BlockInfo], nbytes: int | None = None) -> float:
         """Predicted exposed µs of ``members`` issued as one collective of ``nbytes`` (or

@@ -333,7 +333,7 @@ def price(gm: GraphModule, stretch: Stretch, lab: Labels, cfg: Config) -> dict[s
         s = stage[b.collective]
         after = split_exposed_us(cfg.cost, world, b.nbytes, shares,
                                  (compute.get((s, 1), 0.0), compute.get((s + 1, 0), 0.0)))
-        gain += t - cfg.cost.hidden_us(t, window) - after
+        gain += t - cfg.cost.hidden_us(t, window, b.nbytes) - after
     return {"gain": gain, "extra": extra, "weights": weights, "saving": gain - extra}
 
 

@@ -125,6 +125,38 @@ def test_profile_overlap_section(tmp_path):
         CostModel.from_profile(write(tmp_path, {**PROFILE, "overlap": {"efficiency": 2}}, "b"))
 
 
+def test_the_overlap_curve_gives_each_size_its_own_efficiency(tmp_path):
+    """A profile's overlap points become a per-size curve: a collective's own size reads it
+    (log-linear between points, the end points beyond); no size: the median efficiency."""
+    points = [{"bytes": 1 << 20, "efficiency": 0.2}, {"bytes": 4 << 20, "efficiency": 0.6}]
+    cost = CostModel.from_profile(write(tmp_path, {**PROFILE, "overlap": {
+        "efficiency": 0.4, "points": points[::-1]}}))
+    assert cost.overlap_curve == ((1 << 20, 0.2), (4 << 20, 0.6))
+    assert cost.efficiency(1 << 10) == 0.2 and cost.efficiency(64 << 20) == 0.6
+    assert cost.efficiency(2 << 20) == pytest.approx(0.4)  # halfway in log2(bytes)
+    assert cost.efficiency() == 0.4
+    assert cost.hidden_us(100.0, 50.0, 4 << 20) == pytest.approx(30.0)
+    assert cost.hidden_us(100.0, 50.0) == pytest.approx(20.0)
+    with pytest.raises(ValueError, match="overlap_curve"):
+        CostModel(overlap_curve=((2, 0.5), (1, 0.5)))
+    with pytest.raises(ProfileError, match="between 0 and 1"):
+        CostModel.from_profile(write(tmp_path, {**PROFILE, "overlap": {
+            "efficiency": 0.4, "points": [{"bytes": 8, "efficiency": 1.5}]}}, "bad.json"))
+
+
+def test_the_split_prices_each_part_at_its_own_size():
+    """Parts of half the size read the curve there: a curve that hides nothing below 1 MiB
+    and everything above prices a 4 MiB all_reduce's 2 MiB parts as fully hidden, its 512 KiB
+    parts as not at all."""
+    from fxcoalesce.cost import split_exposed_us
+
+    cost = CostModel(overlap_curve=((1 << 20, 0.0), (2 << 20, 1.0)))
+    big = split_exposed_us(cost, 2, 4 << 20, (0.5, 0.5), (1e9, 1e9))
+    small = split_exposed_us(cost, 2, 1 << 20, (0.5, 0.5), (1e9, 1e9))
+    assert big == 0.0
+    assert small == pytest.approx(2 * cost.all_reduce_us(512 << 10, 2))
+
+
 def test_overlap_summary_takes_each_sizes_slowest_rank():
     from fxcoalesce.apps.bench.calibrate import overlap_summary
 

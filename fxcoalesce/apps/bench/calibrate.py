@@ -175,7 +175,7 @@ def calibrate_worker(rank: int, world: int, byte_sizes: list[int], device: str,
     return out
 
 
-OVERLAP_BYTES = (64 << 10, 256 << 10, 1 << 20, 4 << 20)
+OVERLAP_BYTES = (64 << 10, 256 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20)
 """all_reduce sizes at which ``measure_overlap`` runs (those up to ``--max-bytes``)."""
 
 

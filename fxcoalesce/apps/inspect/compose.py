@@ -339,7 +339,8 @@ def predict_composed(segs: Segments) -> Callable:
             w = segs.weight(segs.of(info.block.collective))
             t = cost.all_reduce_us(info.block.nbytes, world)
             total += w * t
-            hidden += w * cost.hidden_us(t, prefix[info.need] - prefix[info.ready + 1])
+            hidden += w * cost.hidden_us(t, prefix[info.need] - prefix[info.ready + 1],
+                                         info.block.nbytes)
         return {"total": round(total, 1), "hidden": round(hidden, 1),
                 "exposed": round(total - hidden, 1)}
 
