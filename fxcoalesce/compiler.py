@@ -162,8 +162,9 @@ def _with_env_profile(cfg: Config) -> Config:
 
 
 def fxcoalesce_backend(gm, example_inputs, **kwargs):
-    """The backend registered as ``"fxcoalesce"`` (entry point ``torch_dynamo_backends``);
-    torch.compile hands it ``mode=`` / ``options=`` when the user gives them."""
+    """The backend registered as ``"fxcoalesce"`` (entry point ``torch_dynamo_backends``,
+    through ``fxcoalesce.registered``); torch.compile hands it ``mode=`` / ``options=`` when
+    the user gives them."""
     return backend()(gm, example_inputs, **kwargs)
 
 

@@ -60,9 +60,10 @@ def layer(module: str) -> str:
     top = module.split(".")[1] if "." in module else ""
     if top in ("models", "passes", "ranks", "apps"):
         return top
-    return {"pipeline": "pipeline", "graph_compile": "graph_compile",
-            "compile_cache": "graph_compile", "compiler": "compiler", "": "compiler"}.get(top,
-                                                                                          "core")
+    glue = {"pipeline": "pipeline", "graph_compile": "graph_compile",
+            "compile_cache": "graph_compile", "compiler": "compiler", "registered": "compiler",
+            "": "compiler"}
+    return glue.get(top, "core")
 
 
 def test_imports_run_one_way():

@@ -331,3 +331,17 @@ def test_a_skip_at_a_recompile_on_every_rank_runs_right(fn):
     res = spawn(_skip_run, 2, ("all", fn), backend="gloo", timeout=400,
                 group_timeout_s=GROUP_TIMEOUT_S)
     assert all(steps == [True] * 4 for steps, _ in res), res
+
+
+def test_the_registered_name_hears_dynamo_before_any_graph():
+    """``torch.compile(fn, backend="fxcoalesce")`` hears Dynamo from the call on, as
+    ``fxcoalesce.backend()`` does: a frame skipped before any graph compiles is heard (fuzz
+    seed 550111: a peer waited half the group's timeout for a proposal that never came)."""
+    import subprocess
+    import sys
+
+    code = ("import torch, fxcoalesce.ranks.hooks as h; assert not h._WATCHED; "
+            "torch.compile(lambda x: x + 1, backend='fxcoalesce'); print(bool(h._WATCHED))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "True", out.stderr[-2000:]
