@@ -404,3 +404,76 @@ def test_the_default_cost_model_never_splits():
     (decision,) = split_pass(gm, cfg=Config()).decisions
     assert decision["chose"] == "whole" and "not calibrated" in decision["note"], decision
     assert split_pass(llama_block(512), cfg=Config(cost=SLOW_LINK)).changed
+
+
+class _Knobs:
+    verbose = False
+
+
+KNOBS = _Knobs()
+
+
+def _mlps(x, mlp1, mlp2, group):
+    """Two token-parallel stretches after a first all_reduce (kept whole: it carries the
+    run-time check); a print on one rank cuts the function there."""
+    from models.tp import all_reduce
+
+    h = all_reduce(x, group)
+    h = h + mlp1(torch.nn.functional.rms_norm(h, (h.shape[-1],)))
+    if KNOBS.verbose:
+        print("verbose", flush=True)
+    return h + mlp2(torch.nn.functional.rms_norm(h, (h.shape[-1],)))
+
+
+def _recut_run(rank, world, when):
+    """The split forced on; rank 0 prints between the stretches from call ``when`` on
+    (0: from the first compile, the ranks cut the function differently; 1: a re-cut of a
+    graph the ranks agreed to run split). Per call: True where equal to the eager function,
+    else the error's class and first words."""
+    import torch.distributed as dist
+
+    import fxcoalesce
+    from models.llama import MLP
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    mlp1, mlp2 = MLP(64, 128), MLP(64, 128)
+    for m in (mlp1, mlp2):
+        m.group = dist.group.WORLD.group_name
+    x = torch.randn(1, 64, 64, generator=torch.Generator().manual_seed(rank))
+    f = torch.compile(_mlps, backend=fxcoalesce.backend(fxcoalesce.Config(
+        token_split=True, codegen="eager")))
+    out = []
+    with torch.no_grad():
+        for call in range(3):
+            KNOBS.verbose = rank == 0 and call >= when
+            want = _mlps(x, mlp1, mlp2, dist.group.WORLD.group_name)
+            try:
+                got = f(x, mlp1, mlp2, dist.group.WORLD.group_name)
+            except Exception as e:  # noqa: BLE001 (what the test reports)
+                out.append(f"{type(e).__name__}: {str(e)[:80]}")
+                break
+            out.append(bool(torch.allclose(got, want, rtol=1e-4, atol=1e-4)))
+    splits = [d["chose"] for r in fxcoalesce.reports() for d in r.decisions
+              if d["pass"] == "split"]
+    return out, splits
+
+
+@pytest.mark.slow  # 2 ranks, eager codegen: ~30 s on 2 cores
+@pytest.mark.parametrize("when", [0, 1])
+def test_a_rank_that_cuts_a_split_function_otherwise(when):
+    """Issue 50's agreement case: a print on rank 0 from the first call, the ranks cut the
+    function differently and run the program's order, right; from the second, rank 0 re-cuts
+    a graph the ranks agreed to run split: the documented stop, one clear error on every
+    rank and no value returned wrong."""
+    from fxcoalesce.apps.launch import spawn
+
+    res = spawn(_recut_run, 2, (when,), backend="gloo", timeout=300, group_timeout_s=40)
+    if when == 0:
+        for out, splits in res:
+            assert out == [True] * 3 and "split in 2" not in splits, res
+    else:
+        assert any("split in 2" in splits for _, splits in res), res  # agreed to split
+        for out, _ in res:
+            assert out[0] is True and len(out) == 2, res
+            assert out[1].startswith("CollectiveMismatchError"), res
