@@ -79,7 +79,7 @@ from fxcoalesce.ranks.compile import tagged
 from fxcoalesce.ranks.store import Store as Exchange
 from fxcoalesce.ranks.tag import compatible
 from fxcoalesce.pipeline import copy_graph_module
-from fxcoalesce.lowering import lowered_bytes, symm_groups
+from fxcoalesce.lowering import lowered_bytes
 from fxcoalesce.testing import simulated_groups
 from fxcoalesce.passes import changes_sequence
 
@@ -489,19 +489,16 @@ def compile_graph(gm: GraphModule, cfg: fxcoalesce.Config) -> Compiled:
                and changes_sequence(cfg))
     builds, sequences, workspaces = [], [], []
     for step in ladder(cfg) if compare else [None]:
-        if step is not None and step.without_symm and not symm_groups(sequences[-1]):
-            built = builds[-1], sequences[-1], workspaces[-1]  # nothing to leave out
-        else:
-            new, report = fxcoalesce.run_pipeline(gm, cfg if step is None else step.config,
+        new, report = fxcoalesce.run_pipeline(gm, cfg if step is None else step.config,
+                                              record=False, emit=False)
+        seq = sequence_after(gm, new, report)
+        if step is not None and cfg.run_checks and seq != program and compatible(gm, new):
+            # as graph_compile.ladder_runs: a step whose first all_reduce cannot carry
+            # the program's tag issues the program's own sequence
+            new, report = fxcoalesce.run_pipeline(gm, ladder(cfg)[-1].config,
                                                   record=False, emit=False)
             seq = sequence_after(gm, new, report)
-            if step is not None and cfg.run_checks and seq != program and compatible(gm, new):
-                # as graph_compile.ladder_runs: a step whose first all_reduce cannot carry
-                # the program's tag issues the program's own sequence
-                new, report = fxcoalesce.run_pipeline(gm, ladder(cfg)[-1].config,
-                                                      record=False, emit=False)
-                seq = sequence_after(gm, new, report)
-            built = (new, report), seq, lowered_bytes([report])
+        built = (new, report), seq, lowered_bytes([report])
         builds.append(built[0])
         sequences.append(built[1])
         workspaces.append(built[2])
@@ -1060,8 +1057,6 @@ def test_agreement_resolves_rank_dependent_analysis(build):
         simulate([fxcoalesce.run_pipeline(gm, cfg)[0] for gm in gms], inputs)
     # the agreement's ladder: the first step on which all ranks issue one sequence
     for step in ladder(cfg):
-        if step.without_symm:  # taken only where preparing symmetric memory failed
-            continue
         outs = [fxcoalesce.run_pipeline(gm, step.config)[0] for gm in gms]
         if len({tuple(issue_sequence(o.graph)) for o in outs}) == 1:
             break

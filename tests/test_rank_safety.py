@@ -345,3 +345,35 @@ def test_the_registered_name_hears_dynamo_before_any_graph():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "True", out.stderr[-2000:]
+
+
+def test_a_rank_whose_store_went_away_compiles_the_programs_order():
+    """Fuzz seed 560015: the rank that hosts the store ended (its half of the job done) while
+    this rank agreed, and the store's I/O raised ``DistNetworkError``. No decision can be read:
+    the program's own order, untagged; where this rank runs the function rewritten, carrying
+    the reserved tag (a peer still running the rewrite stops with it rather than mispairing)."""
+    from fxcoalesce.ranks.agreement import RankEnv, agree_graph, ladder
+    from fxcoalesce.ranks.store import RESERVED_ID, Store
+
+    class Gone:
+        def __getattr__(self, name):
+            def fail(*args, **kwargs):
+                raise dist.DistNetworkError("Failed to recv, got 0 bytes. Connection was "
+                                            "likely closed.")
+            return fail
+
+    cfg = fxcoalesce.Config(agree_timeout_s=60)
+    steps = ladder(cfg)
+    program = [("0", "all_reduce(f32[8], 'sum', 0)")] * 2
+    sequences = [[("0", "all_reduce(f32[16], 'sum', 0)")]] * (len(steps) - 1) + [program]
+    env = RankEnv(Store(Gone(), 1, "t"), members=lambda g: [0, 1], position=lambda g: 0)
+
+    def agree():
+        return agree_graph("g", cfg, steps, program, sequences, [0] * len(steps),
+                           check_ranks=False, frame="f@x.py:1", env=env)
+
+    out = agree()
+    assert (out.step, out.agreement.how, out.tagged) == (len(steps) - 1, "store gone", False)
+    env.rewritten.add("f@x.py")
+    out = agree()
+    assert (out.step, out.tagged, out.tag) == (len(steps) - 1, True, RESERVED_ID)

@@ -1,12 +1,8 @@
 """``torch.ops.fxcoalesce.tag_after(Tensor ok, Tensor tag, str message) -> Tensor``: a copy of
-``tag``, made only once ``ok`` (a tag check, ``ranks.tag``) holds: on CPU it raises
+``tag``, made only once ``ok`` (a tag check) holds: on CPU it raises
 :class:`~fxcoalesce.CollectiveMismatchError` with ``message`` otherwise; on CUDA a
-device-side assert stops the stream first.
-
-A rewritten graph's second collective sends this copy as its tag, so it cannot be issued
-before the first collective's check has passed, whatever order Inductor or the eager
-interpreter picks for the check itself: a mispairing stops at its first collective, before
-a second one (of another size, which gloo aborts on) is on the wire.
+device-side assert stops the stream first (why a graph's second collective sends it:
+``ranks.tag.plan``).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field, replace
 import torch.distributed as dist
 
 from ..config import Config
-from .store import Store
+from .store import RESERVED_ID, Store
 
 log = logging.getLogger("fxcoalesce")
 DEFAULT_TIMEOUT_S = 120.0
@@ -30,6 +30,9 @@ TIMEOUT_ENV = "FXCOALESCE_AGREE_TIMEOUT"
 RECUT_WAIT_S = 10.0
 """The wait for a later graph of a function this rank runs rewritten: where every rank
 recompiles, the peers come within compile skew; where this rank re-cut alone, never."""
+CHECK_WAIT_S = 5.0
+"""The wait for a graph compared for ``check_ranks`` alone (every step issues the program's
+order): a peer later than that reads the "timed out" entry and runs that order too."""
 POLL_S = (0.002, 0.05)
 PARTED = ("guards differ", "cut differently", "runs uncompiled")
 """Ranks parted on a function for good (a skip holds in a group made anew): no wait again."""
@@ -46,25 +49,19 @@ Sequence = list[tuple[str | None, str]]
 class Step:
     label: str
     config: Config
-    without_symm: bool = False
-    """The step before it without symmetric memory (where preparing it failed, on all)."""
 
 
 def ladder(cfg: Config) -> list[Step]:
-    """The configurations ranks try in turn (each differs from the last), each step that may
-    use symmetric memory followed by its copy without it."""
+    """The configurations ranks try in turn (each differs from the last); the last is the
+    program's own order, also where preparing symmetric memory failed (``compile.prepared``)."""
     from ..pipeline import rank_configs
 
     plain, program = rank_configs(cfg)
     steps: list[Step] = []
     for label, c in (("as configured", cfg), ("without the choices that read compute", plain),
                      ("in the program's own collective order", program)):
-        if steps and _same(c, steps[-1].config):
-            continue
-        steps.append(Step(label, c))
-        nosymm = replace(c, lower=False)
-        if not _same(nosymm, c):
-            steps.append(Step(f"{label}, without symmetric memory", nosymm, without_symm=True))
+        if not (steps and _same(c, steps[-1].config)):
+            steps.append(Step(label, c))
     return steps
 
 
@@ -173,14 +170,6 @@ def first_difference(sequences: list[list[str]], ranks: list[int]) -> str | None
     return None
 
 
-def uses_symm(texts: list[str]) -> bool:
-    """Does a canonical sequence run a symmetric-memory implementation?"""
-    from ..lowering import SYMM_OPS
-
-    names = {op.split("::")[1] for op in SYMM_OPS.values()}
-    return any(t.split(":", 1)[1].split("(")[0] in names for t in texts)
-
-
 # --- the decision: a pure function of complete proposals ---
 
 def decide(proposals: dict[int, dict], steps: list[Step], check_ranks: bool) -> dict:
@@ -196,20 +185,15 @@ def decide(proposals: dict[int, dict], steps: list[Step], check_ranks: bool) -> 
                      ("guards differ", _guarded_apart(proposals)),
                      ("cut varies", _varied(proposals))):
         if why:
-            return {**entry, "step": last, "ws": 0, "nosymm": last, "how": how, "why": why}
+            return {**entry, "step": last, "ws": 0, "how": how, "why": why}
 
     def agreed(i: int) -> bool:
         return all(proposals[r]["steps"][i]["seq"] == proposals[ranks[0]]["steps"][i]["seq"]
                    for r in ranks)
 
     for i, step in enumerate(steps):
-        if step.without_symm:
-            continue
         if agreed(i):
-            seqs = proposals[ranks[0]]["steps"]
-            nosymm = next((j for j in range(i, len(steps))
-                           if not uses_symm(seqs[j]["seq"]) and agreed(j)), last)
-            out = {**entry, "step": i, "nosymm": nosymm,
+            out = {**entry, "step": i,
                    "ws": max(proposals[r]["steps"][i]["ws"] for r in ranks),
                    "how": "fell back" if entry["differences"] else "agreed",
                    "why": f"the ranks issue one sequence {step.label}"}
@@ -221,7 +205,7 @@ def decide(proposals: dict[int, dict], steps: list[Step], check_ranks: bool) -> 
                  for r, seq in zip(ranks, texts)]
         found = first_difference(shown, ranks) or first_difference(texts, ranks)
         entry["differences"].append(f"{step.label}: {found}")
-    return {**entry, "step": last, "ws": 0, "nosymm": last, "how": "fell back",
+    return {**entry, "step": last, "ws": 0, "how": "fell back",
             "why": "no step agreed"}
 
 
@@ -284,7 +268,9 @@ class Agreement:
     """How the ranks agreed on one graph (``Report.agreement``). ``how``: "agreed", "fell
     back" (an earlier step differed), "cut differently", "timed out",
     "peer gone", "guards differ", "cut varies", "runs uncompiled" (a peer runs this stretch
-    uncompiled), "busy" (a peer waits for this rank on another graph: two threads),
+    uncompiled), "busy" (a peer waits for this rank on another graph: two threads), "store
+    gone" (its host ended: the program's order, with the reserved tag where this rank runs the
+    function rewritten, so that a peer still running the rewrite stops with it),
     "decided before", "no wait" (every step issues the program's own sequence), ""."""
 
     compared: bool = False
@@ -534,7 +520,6 @@ class Outcome:
     key: str = ""
     fresh: bool = False
     """Every rank of the decision took part in it just now (collective set-up may run)."""
-    nosymm: int | None = None
     ws: int = 0
     error: str | None = None
     digests: list[str] = field(default_factory=list)
@@ -574,7 +559,24 @@ def agree_graph(name: str, cfg: Config, steps: list[Step], program: Sequence,
     ``sequences[i]`` / ``workspaces[i]``: what step i issues here and the symmetric workspace
     it sizes; ``frame`` (:func:`frame_identity`), ``cut`` (:func:`cut_at`) and ``guards``
     (:func:`guard_keys`) go into the proposal."""
-    env = env or process_env()
+    try:
+        env = env or process_env()
+        return _agree(name, cfg, steps, program, sequences, workspaces, check_ranks, frame,
+                      cut, guards, env)
+    except dist.DistError as e:  # the store's host process ended (its part of the job done)
+        marked = env is not None and bool(frame) and family(frame) in env.rewritten
+        why = f"the agreement's store is gone ({str(e).splitlines()[0][:80]})"
+        log.warning("fxcoalesce[%s]: %s: this rank compiles the program's own order%s", name,
+                    why, ", tagged as a run left uncompiled" if marked else "")
+        _, _, texts = canonical(program, *sequences)
+        return Outcome(len(steps) - 1, Agreement(compared=True, step=steps[-1].label,
+                                                 how="store gone", why=why),
+                       digests=[_digest(t) for t in texts], tag=RESERVED_ID if marked else 0,
+                       tagged=marked)
+
+
+def _agree(name, cfg, steps, program, sequences, workspaces, check_ranks, frame, cut, guards,
+           env) -> Outcome:
     ex = env.exchange
     fam = family(frame) if frame else ""
     later = bool(fam) and fam in env.agreed  # a recompile or re-cut of a function
@@ -596,7 +598,7 @@ def agree_graph(name: str, cfg: Config, steps: list[Step], program: Sequence,
             agreement = Agreement(compared=True, step=steps[step].label, how="decided before",
                                   ranks=list(mine.entry["ranks"]))
             return Outcome(step, agreement, key=d, digests=digests,
-                           ws=mine.entry.get("ws", 0), nosymm=mine.entry.get("nosymm"),
+                           ws=mine.entry.get("ws", 0),
                            tag=mine.entry.get("id", 0), tagged=mine.entry.get("tagged", False))
     committed = mine is not None and mine.rewritten
     if mine is None:
@@ -630,7 +632,7 @@ def agree_graph(name: str, cfg: Config, steps: list[Step], program: Sequence,
                           differences=list(entry.get("differences", [])), waited_s=waited,
                           ranks=list(entry["ranks"]), why=entry.get("why", ""))
     out = Outcome(entry["step"], agreement, key=d, fresh=how in FRESH,
-                  nosymm=entry.get("nosymm"), ws=entry.get("ws", 0), error=entry.get("error"),
+                  ws=entry.get("ws", 0), error=entry.get("error"),
                   digests=digests, tag=entry.get("id", 0), tagged=entry.get("tagged", False))
     PROCESS.max_id = max(PROCESS.max_id, out.tag)
     if committed and how not in FRESH and out.error is None:
@@ -652,9 +654,9 @@ def agree_graph(name: str, cfg: Config, steps: list[Step], program: Sequence,
     return out
 
 
-def without_symm(outcome: Outcome, env: RankEnv | None = None) -> Outcome:
-    """``outcome`` at its step without symmetric memory (preparing it failed, on all)."""
-    step = outcome.nosymm if outcome.nosymm is not None else len(outcome.digests) - 1
+def in_program_order(outcome: Outcome, env: RankEnv | None = None) -> Outcome:
+    """``outcome`` at the program's own order (preparing symmetric memory failed, on all)."""
+    step = len(outcome.digests) - 1
     mine = (env or process_env()).local[outcome.key]
     mine.active, mine.entry["active_step"] = outcome.digests[step], step
     return replace(outcome, step=step, fresh=False)
@@ -750,14 +752,14 @@ class _Run:
 
     def _limit(self) -> tuple[float, str]:
         """(the longest wait, what sets it): ``agree_timeout_s``, :data:`RECUT_WAIT_S` for a
-        later graph of a function this rank runs rewritten or a graph compared for
-        ``check_ranks`` alone (every step issues the program's order here), or half the
+        later graph of a function this rank runs rewritten, :data:`CHECK_WAIT_S` for a graph
+        compared for ``check_ranks`` alone, or half the
         shortest timeout of the graph's groups where that is shorter."""
         limit, bound = timeout_s(self.cfg), "agree_timeout_s"
         if self.marked and RECUT_WAIT_S < limit:
             limit, bound = RECUT_WAIT_S, "a later graph of a function this rank runs rewritten"
-        elif self.checked_only and RECUT_WAIT_S < limit:
-            limit, bound = RECUT_WAIT_S, "a graph compared for check_ranks alone"
+        elif self.checked_only and CHECK_WAIT_S < limit:
+            limit, bound = CHECK_WAIT_S, "a graph compared for check_ranks alone"
         for g in self.proposal["pos"]:
             t = self.env.timeout(g)
             if t is not None and t / 2 < limit:  # a peer already in a collective outlives it
@@ -787,7 +789,7 @@ class _Run:
     def _fallback(self, closure: set[int], how: str, why: str) -> dict:
         """The program's own order for ``closure``: right however each rank cuts the program."""
         last = len(self.steps) - 1
-        return self._add({"ranks": sorted(closure), "step": last, "nosymm": last, "ws": 0,
+        return self._add({"ranks": sorted(closure), "step": last, "ws": 0,
                           "how": how, "why": why, "differences": []})
 
     def _uncompiled(self, missing: list[int]) -> tuple[str, str] | None:

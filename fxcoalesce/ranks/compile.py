@@ -16,7 +16,7 @@ from ..lowering import lowered_bytes, real_tensors, symm_groups, symm_problem
 from ..pipeline import copy_graph_module, run_pipeline
 from ..report import Report, explain_agreement
 from .agreement import (Outcome, Sequence, agree_graph, cut_at, frame_identity, guard_keys,
-                        ladder, resolve, without_symm)
+                        in_program_order, ladder, resolve)
 from .tag import compatible, tag_pass
 
 log = logging.getLogger("fxcoalesce")
@@ -45,7 +45,7 @@ def prepared(outcome: Outcome, cfg: Config, sequences: list[Sequence], name: str
              ) -> tuple[Outcome, list[str]]:
     """Prepare symmetric memory for the agreed step if it uses some (run only where every
     rank of the decision is at this compile: ``outcome.fresh``); on failure, which every rank
-    sees alike, the step without symmetric memory."""
+    sees alike, the program's own order."""
     if outcome.error or not cfg.lower or not symm_groups(sequences[outcome.step]):
         return outcome, []
     if not outcome.fresh:  # prepared when the ranks agreed on this graph, in this process
@@ -54,9 +54,10 @@ def prepared(outcome: Outcome, cfg: Config, sequences: list[Sequence], name: str
         problem = symm_problem(sequences[outcome.step], outcome.ws)
     if problem is None:
         return outcome, []
-    note = f"symmetric memory cannot be used ({problem}); every rank compiles the step without it"
+    note = (f"symmetric memory cannot be used ({problem}); every rank compiles the program's "
+            "own order")
     log.warning("fxcoalesce[%s]: %s", name, note)
-    return without_symm(outcome), [note]
+    return in_program_order(outcome), [note]
 
 
 def rewrite_agreed(gm, cfg: Config, name: str, check_ranks: bool, *,
@@ -101,9 +102,7 @@ def ladder_runs(gm, cfg: Config, name: str, program: Sequence) -> tuple[list, li
     steps = ladder(cfg)
     built: list[tuple] = []
     for i, step in enumerate(steps):
-        if step.without_symm and not symm_groups(built[-1][2]):
-            built.append(built[-1])  # no symmetric memory to leave out: the same graph
-        elif i == len(steps) - 1 and i > 0:
+        if i == len(steps) - 1 and i > 0:
             built.append((None, None, program, 0))
         else:
             new, report = run_pipeline(gm, replace(step.config, dump_dir=None), name=name,
