@@ -7,6 +7,7 @@ process per rank; the oracle says ok / loud / failure per program and variant.
     python benchmarks/fuzz_ranks.py --seed 123 --variant fxcoalesce --world 4 -v
     python benchmarks/fuzz_ranks.py --seed 123 --variant plain -v   # eager and plain only
     python benchmarks/fuzz_ranks.py --replay tests/data/fuzz/123.json -v
+    python benchmarks/fuzz_ranks.py --merge a/summary.json b/summary.json --out c/
 
 The summary counts outcomes per run, per feature (``by_feature``) and per feature class
 (``by_class``: programs, those judged, and per variant its runs, loud outcomes, loud share
@@ -53,6 +54,9 @@ def _args(argv):
     ap.add_argument("--out", type=Path, help="directory for summary.json, summary.md, failures/")
     ap.add_argument("--resume", type=Path, metavar="SUMMARY_JSON",
                     help="a stopped run's summary.json: keep its results, skip its seeds")
+    ap.add_argument("--merge", type=Path, nargs="+", metavar="SUMMARY_JSON",
+                    help="write one summary (to --out) of these sittings, on one or several "
+                         "machines, and run nothing")
     ap.add_argument("--stop-after", type=float, metavar="S",
                     help="start no program after S seconds (those running finish; --resume "
                          "runs the rest)")
@@ -181,8 +185,26 @@ def markdown(s: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def merged(paths: list[Path], out: Path | None) -> int:
+    """One summary of several sittings' results (``--merge``): their torch versions,
+    commits and wall times side by side."""
+    parts = [json.loads(p.read_text()) for p in paths]
+    args = argparse.Namespace(merged=[str(p) for p in paths], commit_start=", ".join(
+        sorted({str(s["commit_start"]) for s in parts})))
+    s = summarize([r for s in parts for r in s["results"]], args, time.monotonic())
+    s.update(torch=", ".join(sorted({s["torch"] for s in parts})), wall_s=sum(
+        s["wall_s"] for s in parts), commit_end=", ".join(sorted({str(s["commit_end"])
+                                                                  for s in parts})))
+    if out:
+        _save(s, out)
+    print(markdown(s), flush=True)
+    return 1 if s["failures"] else 0
+
+
 def main(argv=None) -> int:
     args = _args(argv)
+    if args.merge:
+        return merged(args.merge, args.out)
     args.commit_start = commit()
     args.earlier, args.earlier_wall = [], 0
     if args.resume:  # a run split over several sittings: one summary at the end

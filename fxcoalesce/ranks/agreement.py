@@ -28,8 +28,9 @@ log = logging.getLogger("fxcoalesce")
 DEFAULT_TIMEOUT_S = 120.0
 TIMEOUT_ENV = "FXCOALESCE_AGREE_TIMEOUT"
 RECUT_WAIT_S = 10.0
-"""The wait for a later graph of a function this rank runs rewritten: where every rank
-recompiles, the peers come within compile skew; where this rank re-cut alone, never."""
+"""The wait for a later graph of a function the ranks agreed a graph of (a recompile, the rest
+after a graph break): peers that compile it come within compile skew; a peer that re-cut, or
+waits in an eager collective that this graph issues (fuzz seed 570517), never."""
 CHECK_WAIT_S = 5.0
 """The wait for a graph compared for ``check_ranks`` alone (every step issues the program's
 order): a peer later than that reads the "timed out" entry and runs that order too."""
@@ -607,7 +608,7 @@ def _agree(name, cfg, steps, program, sequences, workspaces, check_ranks, frame,
         mine.round += 1
     key = d if mine.round == 1 else f"{d}.{mine.round}"
     run = _Run(name, cfg, env, key, steps, program, canon, check_ranks)
-    run.cut, run.family, run.marked = cut, fam or None, marked or committed
+    run.cut, run.family, run.marked, run.later = cut, fam or None, marked or committed, later
     run.checked_only = evident and check_ranks
     run.inside = _inside(env.alone) if env.alone else None
     run.proposal = ex.propose(key, {
@@ -692,7 +693,7 @@ class _Run:
         self.program, self.canon, self.check_ranks = program, canon, check_ranks
         self.rank, self.proposal, self.cut, self.family = self.ex.rank, {}, None, None
         self.inside: str | None = None
-        self.marked = self.checked_only = False
+        self.marked = self.checked_only = self.later = False
         self.proposals: dict[int, dict] = {}
 
     def _entry_of(self, entries: list[dict]) -> dict | None:
@@ -752,12 +753,11 @@ class _Run:
 
     def _limit(self) -> tuple[float, str]:
         """(the longest wait, what sets it): ``agree_timeout_s``, :data:`RECUT_WAIT_S` for a
-        later graph of a function this rank runs rewritten, :data:`CHECK_WAIT_S` for a graph
-        compared for ``check_ranks`` alone, or half the
-        shortest timeout of the graph's groups where that is shorter."""
+        later graph of a function the ranks agreed on, :data:`CHECK_WAIT_S` for a graph compared
+        for ``check_ranks`` alone, or half the graph's groups' shortest timeout if shorter."""
         limit, bound = timeout_s(self.cfg), "agree_timeout_s"
-        if self.marked and RECUT_WAIT_S < limit:
-            limit, bound = RECUT_WAIT_S, "a later graph of a function this rank runs rewritten"
+        if (self.marked or self.later) and RECUT_WAIT_S < limit:
+            limit, bound = RECUT_WAIT_S, "a later graph of a function the ranks agreed on"
         elif self.checked_only and CHECK_WAIT_S < limit:
             limit, bound = CHECK_WAIT_S, "a graph compared for check_ranks alone"
         for g in self.proposal["pos"]:
