@@ -110,7 +110,7 @@ def _slow_only(path) -> bool:
     return bool(json.loads(path.read_text()).get("slow_only"))
 
 
-RECENT: set[str] = {"119", "570517"}
+RECENT: set[str] = {"119"}
 """Replays in the default run (a fix's record while the fix is fresh). The others replay in
 CI under the oldest torch (``other_torch``: .ci/run part 4, which runs this whole file
 anyway) and, every variant, in the slow run; 90026, 130162 and 140124, the default run's
