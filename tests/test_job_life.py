@@ -8,6 +8,7 @@ clear error on every rank before any wrong value exists, and no wait longer than
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import subprocess
 import sys
@@ -123,6 +124,7 @@ def test_logging_on_rank0_every_n_steps_is_right_at_every_step(which, codegen, c
 # --- 2. a rank that recompiles alone, cut differently, after the ranks agreed ---
 
 FLAG = {"log": False}
+USER_LOG = logging.getLogger("a_user")
 
 
 def logs_when_told(x, y, step, size_differs):
@@ -133,20 +135,30 @@ def logs_when_told(x, y, step, size_differs):
     c = ar(x - 1) if size_differs else None
     a = ar(x * 2)
     if FLAG["log"]:
-        print(f"rank {dist.get_rank()} logs at step {step}", flush=True)
+        USER_LOG.warning("rank %d logs at step %d", dist.get_rank(), step)
     b = ar(y * 3)
     return (c, a + b, a * b) if size_differs else a + b
 
 
-def _recut_run(rank, world, codegen, size_differs):
+def prints_when_told(x, y, step, size_differs):
+    """``logs_when_told`` with a print: at rank 0's recompile Dynamo moves it past the graph
+    (fxcoalesce asks it to, for a function this rank runs rewritten), so there is no re-cut."""
+    a = ar(x * 2)
+    if FLAG["log"]:
+        print(f"rank {dist.get_rank()} prints at step {step}")
+    b = ar(y * 3)
+    return a + b
+
+
+def _recut_run(rank, world, codegen, size_differs, fn=logs_when_told):
     torch.set_num_threads(1)
     x, y = inputs(rank)
-    f = torch.compile(logs_when_told, backend=backend(codegen=codegen))
+    f = torch.compile(fn, backend=backend(codegen=codegen))
     out = []
     with torch.no_grad():
         for step in range(3):
             FLAG["log"] = rank == 0 and step == 1
-            want = waited(logs_when_told(x, y, step, size_differs))
+            want = waited(fn(x, y, step, size_differs))
             try:
                 got = waited(f(x, y, step, size_differs))
             except fxcoalesce.CollectiveMismatchError as e:
@@ -154,7 +166,8 @@ def _recut_run(rank, world, codegen, size_differs):
                 break
             out.append(close(got, want))
     return {"steps": out, "after": [r.all_reduce["after"] for r in fxcoalesce.reports()],
-            "checks": [r.agreement.get("checks") for r in fxcoalesce.reports()]}
+            "checks": [r.agreement.get("checks") for r in fxcoalesce.reports()],
+            "how": [r.agreement.get("how") for r in fxcoalesce.reports()]}
 
 
 @pytest.mark.parametrize("codegen,size_differs", [
@@ -171,6 +184,14 @@ def test_a_rank_that_re_cuts_an_agreed_graph_alone_raises_on_every_rank(codegen,
     for r in res:
         assert len(r["steps"]) == 2 and r["steps"][1].startswith("mismatch: fxcoalesce: at "
                                                                  "run time a peer issued"), r
+
+
+def test_a_print_only_one_rank_reaches_at_a_recompile_is_no_re_cut():
+    res = spawn(_recut_run, 2, ("eager", False, prints_when_told), backend="gloo",
+                timeout=400, group_timeout_s=GROUP_TIMEOUT_S)
+    assert [r["steps"] for r in res] == [[True] * 3] * 2, res
+    assert res[0]["after"] == [1, 1] and res[1]["after"] == [1], res  # rank 0 recompiled,
+    assert res[0]["how"][1] == "decided before", res  # and issued the agreed rewrite
 
 
 # --- 3. a process group made anew ---

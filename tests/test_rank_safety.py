@@ -16,6 +16,7 @@ timeout (``tests/test_fuzz_ranks.py`` draws many more programs of these kinds).
 from __future__ import annotations
 
 import datetime
+import logging
 import re
 import time
 
@@ -260,11 +261,16 @@ def test_the_recompile_limit_on_one_rank_for_a_rewrite_stops_every_rank_at_once(
 
 # --- a rewritten function that Dynamo, at a recompile, skips or compiles only in part ---
 
+USER_LOG = logging.getLogger("a_user")
+
+
 def looped(x, ws, step):
+    """A logger call (Dynamo cannot move it past the graph, as it moves a print at a
+    rewritten function's recompile: test_job_life) in a loop: Dynamo skips the frame."""
     for w in ws:
         x = torch.tanh(ar(x @ w) + ar(x * 2))
         if CFG.verbose:
-            print("verbose", flush=True)
+            USER_LOG.warning("verbose")
     return x
 
 
@@ -276,7 +282,7 @@ def looped_partly(x, ws, step):
     for w in ws:
         x = torch.tanh(ar(x @ w) + ar(x * 2))
         if CFG.verbose:
-            print(f"verbose at step {step}")
+            USER_LOG.warning("verbose at step %d", step)
     return x
 
 
@@ -289,7 +295,7 @@ def looped_c10d(x, ws, step):
         dist.all_reduce(b)
         x = torch.tanh(a + b)
         if CFG.verbose:
-            print("verbose", flush=True)
+            USER_LOG.warning("verbose")
     return x
 
 

@@ -48,23 +48,42 @@ def watch_dynamo() -> None:
     if wrapper is None:  # not this torch's shape: nothing heard
         return
     orig = getattr(wrapper, "_handle_skip", None)
-    if orig is not None and SKIP_HOOK == "auto":
+    skips = orig is not None and SKIP_HOOK == "auto"
+    if skips:
         def _handle_skip(self, result, frame):
             _listen(result, frame, None)
             return orig(self, result, frame)
 
         wrapper._handle_skip = _handle_skip
         _WATCHED.append(("_handle_skip", orig))
-        return
     call = wrapper.__call__
 
     def __call__(self, frame, *args, **kwargs):  # torch 2.11: a skip is a result without code
-        result = call(self, frame, *args, **kwargs)
-        _listen(result, frame, "no compiled code")
+        with _logging_reordered(frame.f_code):
+            result = call(self, frame, *args, **kwargs)
+        if not skips:
+            _listen(result, frame, "no compiled code")
         return result
 
     wrapper.__call__ = __call__
     _WATCHED.append(("__call__", call))
+
+
+def _logging_reordered(code):
+    """Where this rank runs ``code``'s function rewritten, Dynamo compiles it again with
+    ``print`` moved past the graph (``reorderable_logging_functions``): a print that only this
+    rank reaches now (a flag it set) is then no re-cut, so the recompile issues what the ranks
+    agreed ("decided before") instead of stopping them. Dynamo cannot move a logger's call."""
+    from contextlib import nullcontext
+
+    env = PROCESS.env
+    if env is None or not env.rewritten or family(code_key(code)) not in env.rewritten - (
+            env.retired):
+        return nullcontext()
+    from torch._dynamo import config
+
+    return config.patch(reorderable_logging_functions={*config.reorderable_logging_functions,
+                                                       print})
 
 
 def _listen(result, frame, uncompiled: str | None) -> None:
