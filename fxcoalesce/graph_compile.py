@@ -28,7 +28,7 @@ from .lowering import lowered_bytes, real_tensors, symm_groups, symm_problem
 from .ranks.agreement import (PROCESS, agree_graph, cut_at, frame_identity, guard_keys, has_peers,
                               ladder, must_compare, seen)
 from .ranks.compile import Agreed, prepared, rewrite_agreed
-from .ranks.runtime import Guarded
+from .ranks.hooks import Guarded
 from .report import Report, record
 
 log = logging.getLogger("fxcoalesce")
@@ -130,7 +130,7 @@ class GraphCompile:
                 "ranks fall back together until they agree."))
         for a in agreed:
             record(a.report)
-        if any(a.sequences for a in agreed):  # agreed on: checked at every call (runtime)
+        if any(a.sequences for a in agreed):  # agreed on: checked at every call (ranks.hooks)
             return Guarded(compiled, agreed, self, self.gm)
         return compiled
 

@@ -1,4 +1,4 @@
-"""Tier 1: the run-time tags (``ranks.tag``) and the per-call wrapper (``runtime``), on
+"""Tier 1: the run-time tags (``ranks.tag``) and the per-call wrapper (``ranks.hooks``), on
 hand-built graphs run by ``simulate`` (ranks in one process) and on one gloo rank.
 
 A tagged graph (a rewritten one, or a re-cut of a function a rank rewrote) tags its first
@@ -14,13 +14,16 @@ import itertools
 
 import pytest
 import torch
+from torch.fx import GraphModule
 from graphs import GraphBuilder
 from simulate import assert_loud, simulate
 
 import fxcoalesce
 from fxcoalesce import Config, run_pipeline
-from fxcoalesce.ranks.tag import (MESSAGE_START, TAG_BITS, agrees, bits, compatible,
-                                   message, tag_pass)
+from fxcoalesce.checked import checked_firsts
+from fxcoalesce.collectives import describe, group_of, is_collective
+from fxcoalesce.meta import tensor_val
+from fxcoalesce.ranks.tag import MESSAGE_START, TAG_BITS, agrees, bits, message, tag_pass
 from fxcoalesce.pipeline import copy_graph_module
 from fxcoalesce.errors import CollectiveMismatchError
 
@@ -145,6 +148,48 @@ def test_tag_ids_are_handed_out_once_even_across_a_new_store():
         bits(2 ** TAG_BITS)
 
 
+def first_tagged(gm: GraphModule) -> dict:
+    """``checked.checked_firsts`` of ``gm``'s collectives."""
+    return checked_firsts([n for n in gm.graph.nodes if is_collective(n)])
+
+
+def _prefix(gm: GraphModule, first) -> list[str]:
+    """The collectives of ``first``'s group before it, described without their origin."""
+    out = []
+    for n in gm.graph.nodes:
+        if n is first:
+            return out
+        if is_collective(n) and group_of(n) == group_of(first):
+            out.append(describe(n).split(" <- ")[0])
+    return out
+
+
+def compatible(program: GraphModule, rewritten: GraphModule) -> str | None:
+    """What every pass must keep (``checked.pinned``), so that a rewritten graph's tag pairs
+    with the program's own first all_reduce of each group (a rank that re-cuts runs that):
+    ``tests/test_property_ranks.py`` asserts it of every ladder step of its programs. Why ``rewritten``'s first all_reduce in some group could not pair, tag for tag, with
+    the program's own first all_reduce of that group at that place (None when every group's
+    can): another kind, op, dtype or element count, or other collectives of the group before
+    it."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    firsts_a, firsts_b = first_tagged(program), first_tagged(rewritten)
+    for group in sorted(firsts_a.keys() | firsts_b.keys(), key=str):
+        a, b = firsts_a.get(group), firsts_b.get(group)
+        if a is None or b is None:
+            return f"no tagged all_reduce in group {group} where the program has one"
+        if _prefix(program, a) != _prefix(rewritten, b):
+            return f"other collectives of group {group} before its first tagged all_reduce"
+        va, vb = tensor_val(a.args[0]), tensor_val(b.args[0])
+        if (str(a.args[1]), va.dtype) != (str(b.args[1]), vb.dtype):
+            return f"its first all_reduce in group {group} has another op or dtype"
+        if not statically_known_true(va.numel() == vb.numel()):
+            return (f"its first all_reduce in group {group} has {vb.numel()} elements where "
+                    f"the program's has {va.numel()}")
+    return None
+
+
+
 def test_a_rewrite_whose_first_all_reduce_is_a_bucket_is_not_compatible():
     b = GraphBuilder()
     x, y = b.input("x", (2, 4), torch.float64), b.input("y", (2, 4), torch.float64)
@@ -178,7 +223,7 @@ def test_the_message_fits_a_device_assert_and_a_cpp_literal():
 def test_the_wrapper_names_what_to_do_and_agrees_again_on_a_new_group(monkeypatch):
     from types import SimpleNamespace
 
-    from fxcoalesce.ranks import runtime
+    from fxcoalesce.ranks import hooks as runtime
 
     def fails(*args):
         raise RuntimeError(message("g", 1))
@@ -195,12 +240,12 @@ def test_the_wrapper_names_what_to_do_and_agrees_again_on_a_new_group(monkeypatc
 
 
 def test_program_order_runs_the_dynamo_graph_eagerly_untagged(tmp_path):
-    """``runtime.ProgramOrder`` on one gloo rank: the Dynamo graph run as it is: the right
+    """``hooks.ProgramOrder`` on one gloo rank: the Dynamo graph run as it is: the right
     values."""
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
 
-    from fxcoalesce.ranks.runtime import ProgramOrder
+    from fxcoalesce.ranks.hooks import ProgramOrder
 
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -31,7 +31,7 @@ collectives that stay in place, ``fxcoalesce.checked``).
    pairs that all_reduce with theirs (same size: it is the program's first one there, left in
    place by every pass), the ids differ, and every rank of the pairing fails its check before
    any value is returned. Graphs of the program's own order carry nothing.
-3. *The hooks that hear Dynamo* (``hooks``; ``runtime``, every call of an agreed graph): a
+3. *The hooks that hear Dynamo* (``hooks``, with every call of an agreed graph): a
    frame Dynamo runs uncompiled on this rank is noted in the store (ends a peer's wait) and,
    where this rank runs the function rewritten, that call sends the reserved id on the tagged
    all_reduce: all ranks uncompiled, the check holds and the rewrite retires; a peer compiled,

@@ -302,60 +302,45 @@ class _Local:
 
 @dataclass(slots=True)
 class RankEnv:
-    """What the agreement reads of this rank: its store, its groups' members, stream
-    positions and timeouts, and what it knows (``process_env()`` is the real one; a test
-    makes one per simulated rank over one in-memory store)."""
+    """This rank's state, in one object (:data:`PROCESS` is the real one, :func:`process_env`
+    renews it for each new store; a test makes one per simulated rank over one in-memory
+    store): its store, its groups' members, stream positions and timeouts, what it knows in
+    this store, and what outlives a group, as Dynamo's compiled graphs do."""
 
-    exchange: Store
-    members: Callable[[str], list[int]]
-    position: Callable[[str], int | None]
-    timeout: Callable[[str], float | None] = lambda g: None
+    exchange: Store | None = None
+    members: Callable[[str], list[int]] = lambda g: dist.get_process_group_ranks(resolve(g))
+    position: Callable[[str], int | None] = lambda g: position(resolve(g))
+    timeout: Callable[[str], float | None] = lambda g: group_timeout_s(resolve(g))
     local: dict = field(default_factory=dict)
-    alone: dict = field(default_factory=dict)
-    """Function (:func:`family`) -> how its ranks parted (:data:`PARTED`), for good."""
     rewritten: set = field(default_factory=set)
     """Functions this rank runs a rewritten graph of in this store: later graphs are tagged."""
+    alone: dict = field(default_factory=dict)
+    """Function (:func:`family`) -> how its ranks parted (:data:`PARTED`), for good."""
     retired: set = field(default_factory=set)
     """Functions whose rewritten graphs this rank runs in the program's own order for good."""
     cuts: dict = field(default_factory=dict)
     """Frame -> the cuts this rank compiled it with (a function cut two ways: :func:`varied`)."""
     agreed: set = field(default_factory=set)
     """Functions this rank has agreed a graph of (in any store: a group made anew)."""
-
-
-@dataclass(slots=True)
-class Process:
-    """This process's rank state, in one object: the current store's env, and what outlives
-    a group (as Dynamo's compiled graphs do)."""
-
-    env: RankEnv | None = None
-    store_id: int = 0
     stores: list = field(default_factory=list)  # kept alive: a freed one's id could return
-    retired: set = field(default_factory=set)
-    cuts: dict = field(default_factory=dict)
-    alone: dict = field(default_factory=dict)
-    agreed: set = field(default_factory=set)
     max_id: int = 0
 
 
-PROCESS = Process()
+PROCESS = RankEnv()
 
 
 def process_env() -> RankEnv:
-    """The env of this process's default process group (its store, its groups)."""
+    """:data:`PROCESS`, on this process's default process group's store (renewed in place,
+    and announced, when the group was made anew)."""
     store = dist.distributed_c10d._get_default_store()
-    if PROCESS.env is None or PROCESS.store_id != id(store):
-        ex = Store(store, dist.get_rank())
-        ex.floor = PROCESS.max_id
-        ex.announce()
-        PROCESS.stores.append(store)
-        PROCESS.store_id = id(store)
-        PROCESS.env = RankEnv(ex, members=lambda g: dist.get_process_group_ranks(resolve(g)),
-                              position=lambda g: position(resolve(g)),
-                              timeout=lambda g: group_timeout_s(resolve(g)),
-                              retired=PROCESS.retired, cuts=PROCESS.cuts,
-                              alone=PROCESS.alone, agreed=PROCESS.agreed)
-    return PROCESS.env
+    env = PROCESS
+    if not env.stores or env.stores[-1] is not store:
+        env.exchange = Store(store, dist.get_rank())
+        env.exchange.floor = env.max_id
+        env.exchange.announce()
+        env.stores.append(store)
+        env.local, env.rewritten = {}, set()
+    return env
 
 
 def announce() -> None:
@@ -635,7 +620,7 @@ def _agree(name, cfg, steps, program, sequences, workspaces, check_ranks, frame,
     out = Outcome(entry["step"], agreement, key=d, fresh=how in FRESH,
                   ws=entry.get("ws", 0), error=entry.get("error"),
                   digests=digests, tag=entry.get("id", 0), tagged=entry.get("tagged", False))
-    PROCESS.max_id = max(PROCESS.max_id, out.tag)
+    env.max_id = max(env.max_id, out.tag)
     if committed and how not in FRESH and out.error is None:
         _changed(out, cfg, name, agreement.step)  # the peers issue the old rewrite
     mine.entry, mine.active = {**entry, "active_step": entry["step"]}, entry["digest"]
@@ -799,10 +784,12 @@ class _Run:
         or it compiled a function that this rank runs uncompiled and that calls this one
         (``outer``): that graph inlines this one or breaks at it."""
         pos = self.proposal["pos"]
-        mine = {s["fam"] for s in self.ex.frames(self.rank) if s["how"] == "skipped"}
+        mine = {s["fam"] for s in self.ex.notes(self.rank) if s.get("how") == "skipped"}
         outer = _inside(dict.fromkeys(mine - {self.family})) if mine else None
         for q in missing:
-            for s in self.ex.frames(q):
+            for s in self.ex.notes(q):
+                if "fam" not in s:  # a graph it proposed (read by _evidence)
+                    continue
                 if outer and s["fam"] == outer and s["how"] == "compiled":
                     return "cut differently", (f"rank {q} compiled {outer.split('@')[0]}, "
                                                "which this rank runs uncompiled around this "
@@ -871,9 +858,9 @@ def _closure(proposals: dict[int, dict]) -> set[int]:
 
 
 def _folded(lines: list[dict]) -> list[dict]:
-    """A rank's notes, one per graph: the proposal's line with its decided counts."""
+    """A rank's notes of graphs, one per graph: the proposal's line with its decided counts."""
     out: dict[tuple, dict] = {}
-    for line in lines:
+    for line in (x for x in lines if "d" in x):
         key = (line["d"], json.dumps(line["pos"], sort_keys=True))
         out.setdefault(key, {}).update(line)
     return list(out.values())

@@ -1,9 +1,16 @@
-"""The hooks that hear Dynamo (part 3 of the package docstring's argument), in this rank's
-thread: each frame Dynamo is done with is noted in the store (``store.framed``); a frame it
+"""The hooks that hear Dynamo, and every call of an agreed graph (part 3 of the package
+docstring's argument), in this rank's thread.
+
+Dynamo: each frame it is done with is noted in the store's log (``store.note``); a frame it
 runs uncompiled where this rank runs the function rewritten is watched for that call
 (:class:`Uncompiled`), its collectives seen through the functional ops' packets and
 ``dist``'s functions, swapped for that call and thread only (a dispatch mode would make
-Dynamo skip every frame it meets, for good).
+Dynamo skip every frame it meets, for good). A graph the ranks agreed on (:class:`Guarded`,
+made by ``graph_compile``): a process group made anew (one attribute read a call) makes it
+agree again in the new store, offering only what it can run now (its step, or the program's
+own order: :class:`ProgramOrder`, the Dynamo graph run eagerly); a retired function runs the
+program's order for good; a failed tag check surfaces as ``CollectiveMismatchError`` (on CUDA
+a device-side assert stops the process).
 """
 
 from __future__ import annotations
@@ -11,16 +18,18 @@ from __future__ import annotations
 import _thread
 import logging
 import sys
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..checked import Firsts, taggable_value
 from ..errors import CollectiveMismatchError
 from ..meta import is_torch_file
-from .agreement import PROCESS, code_key, family, positions, process_env
+from .agreement import PROCESS, agree_graph, code_key, family, ladder, positions, process_env
 from .store import RESERVED_ID
-from .tag import TAG_BITS, agrees, bits
+from .tag import MESSAGE_START, agrees, bits, message
 
 log = logging.getLogger("fxcoalesce")
 SKIP_HOOK = "auto"
@@ -28,12 +37,12 @@ SKIP_HOOK = "auto"
 else ``CatchErrorsWrapper.__call__`` (2.11); ``"call"``, the latter always (tests)."""
 _WATCHED: list = []
 IN_GRAPH = _thread._local()
-"""``depth`` > 0 while a compiled graph runs (``runtime.Guarded``): its collectives are the
+"""``depth`` > 0 while a compiled graph runs (:class:`Guarded`): its collectives are the
 graph's own, never watched."""
-FIX = ("Keep the function's graph breaks and recompiles alike on every rank (a print on one "
-       "rank: torch._dynamo.config.reorderable_logging_functions.add(print); a value only one "
-       "rank changes), or compile it with Config(passes=('schedule',)); see "
-       "docs/rank-agreement.md")
+FIX = ("Keep the function's graph breaks and recompiles alike on every rank (a log call on one "
+       "rank: log outside the compiled function, or print, which Dynamo can move past the graph:"
+       " torch._dynamo.config.reorderable_logging_functions.add(print); a value only one rank "
+       "changes), or compile it with Config(passes=('schedule',)); see docs/rank-agreement.md")
 
 
 def watch_dynamo() -> None:
@@ -76,8 +85,8 @@ def _logging_reordered(code):
     agreed ("decided before") instead of stopping them. Dynamo cannot move a logger's call."""
     from contextlib import nullcontext
 
-    env = PROCESS.env
-    if env is None or not env.rewritten or family(code_key(code)) not in env.rewritten - (
+    env = PROCESS
+    if not env.rewritten or family(code_key(code)) not in env.rewritten - (
             env.retired):
         return nullcontext()
     from torch._dynamo import config
@@ -112,13 +121,14 @@ def _note(frame, how: str):
     "compiled"), and where this rank stands: a peer waiting for a graph of that function from
     that place, which this rank did not propose, stops waiting. The env, or None."""
     if (is_torch_file(frame.f_code.co_filename) or not dist.is_initialized()
-            or PROCESS.env is None):  # (PROCESS.env: this process made a backend)
+            or PROCESS.exchange is None):  # (None: this process made no backend)
         return None
     try:
         if dist.get_backend() == "fake" or dist.get_world_size() < 2:
             return None
         env = process_env()  # a group made anew is joined here
-        env.exchange.framed(family(code_key(frame.f_code)), positions(), how)
+        env.exchange.note({"fam": family(code_key(frame.f_code)), "pos": positions(),
+                           "how": how})
         return env
     except Exception:  # the store went with a peer: its collectives fail as plain's would
         return None
@@ -230,11 +240,11 @@ class Uncompiled:
                 return orig(*args, **kwargs)
             x, group = args[0], args[-1]
             op = args[1] if name.startswith("all_reduce") and len(args) > 2 else ""
-            if not self._opens(group, name.startswith("all_reduce") and not
-                               name.endswith("coalesced"), op, x, group):
+            if not _opens(self.firsts, group, name.startswith("all_reduce") and not
+                          name.endswith("coalesced"), op, x):
                 return orig(*args, **kwargs)
             out = torch.ops._c10d_functional.wait_tensor(
-                orig(self._with_tag(x), *args[1:], **kwargs))
+                orig(_tagged(x, RESERVED_ID), *args[1:], **kwargs))
             self._check(out[x.numel():], group)
             data = out[:x.numel()].view(x.shape)
             if name == "all_reduce_":
@@ -252,9 +262,9 @@ class Uncompiled:
             x = args[0] if args and isinstance(args[0], torch.Tensor) else None
             op = kwargs.get("op", args[1] if len(args) > 1 else dist.ReduceOp.SUM)
             op = _OPS.get(op, "") if name == "all_reduce" else ""
-            if x is None or not self._opens(gname, name == "all_reduce", op, x, gname):
+            if x is None or not _opens(self.firsts, gname, name == "all_reduce", op, x):
                 return orig(*args, **kwargs)
-            buf = self._with_tag(x)
+            buf = _tagged(x, RESERVED_ID)
             orig(buf, op=args[1] if len(args) > 1 else kwargs.get("op", dist.ReduceOp.SUM),
                  group=group)
             self._check(buf[x.numel():], gname)
@@ -262,21 +272,11 @@ class Uncompiled:
             return _Done() if kwargs.get("async_op") else None
         return handle
 
-    def _opens(self, group: str, is_all_reduce: bool, op: str, x, gname: str) -> bool:
-        world = dist.get_world_size(dist.distributed_c10d._resolve_process_group(gname))
-        return self.firsts.opens(group, is_all_reduce,
-                                 is_all_reduce and taggable_value(op, x.dtype, world), x)
-
-    def _with_tag(self, x):
-        sent = torch.tensor(bits(RESERVED_ID), dtype=x.dtype, device=x.device)
-        return torch.cat([x.reshape(-1), sent])
-
     def _check(self, tail, group: str) -> None:
         if agrees(tail, RESERVED_ID):
             # every rank of the pairing runs it uncompiled here: its rewritten graphs retire
-            env = PROCESS.env
-            env.retired.add(self.fam)
-            env.rewritten.discard(self.fam)
+            PROCESS.retired.add(self.fam)
+            PROCESS.rewritten.discard(self.fam)
             self.close()
             log.warning("fxcoalesce: every rank runs %s uncompiled from here (%s), so each "
                         "issues the program's own collectives there, and runs its rewritten "
@@ -300,6 +300,132 @@ class _Done:
 
     def is_completed(self) -> bool:
         return True
+
+
+def default_group():
+    """The default process group object (None when none is up)."""
+    return dist.distributed_c10d._world.default_pg if dist.is_initialized() else None
+
+
+class Guarded:
+    """A compiled graph whose ranks agreed on it (``graphs``: the ``ranks.compile.Agreed`` of
+    each of its ATen graphs)."""
+
+    def __init__(self, compiled: Callable, graphs: list, job, gm):
+        """``job``: the ``graph_compile.GraphCompile`` that compiled it; ``gm``: its Dynamo
+        graph."""
+        self.compiled, self.graphs, self.cfg, self.name = compiled, graphs, job.cfg, job.name
+        self.origin = {"frame": job.frame, "cut": job.cut, "guards": job.guards}
+        self.gm, self.group, self.run = gm, default_group(), compiled
+        self.family = family(job.frame) if job.frame else None
+        self.retired = False
+        self.retirable = bool(self.family and graphs) and any(
+            g.tagged or (g.sequences and g.step != len(ladder(self.cfg)) - 1) for g in graphs)
+        watch_dynamo()
+
+    def __call__(self, *args, **kwargs):
+        if default_group() is not self.group:
+            self._again()
+        if self.retirable and self.family in PROCESS.retired:
+            self._retire()
+        IN_GRAPH.depth = getattr(IN_GRAPH, "depth", 0) + 1
+        try:
+            return self.run(*args, **kwargs)
+        except RuntimeError as e:
+            if MESSAGE_START in str(e) and FIX not in str(e):
+                raise CollectiveMismatchError(f"{e}. {FIX}") from None
+            raise
+        finally:
+            IN_GRAPH.depth -= 1
+
+    def _retire(self) -> None:
+        log.warning("fxcoalesce[%s]: every rank runs its function's rewritten graphs in the "
+                    "program's own order from now on (eagerly): they ran it uncompiled alike, "
+                    "or cut it into graphs in more than one way", self.name)
+        self.retirable, self.retired = False, True
+        self.run = ProgramOrder(self.gm, self.name)
+
+    def _again(self) -> None:
+        """Agree again in the new default group's store on every graph of this compile."""
+        self.group = default_group()
+        if self.group is None:  # no group now: the collectives fail as plain's would
+            return
+        process_env()
+        if self.retired or (self.retirable and self.family in PROCESS.retired):
+            return
+        steps = ladder(self.cfg)
+        program_only, tag = False, 0
+        for g in self.graphs:
+            if not g.sequences or (not g.tagged and list(g.sequences[g.step]) == list(g.program)):
+                continue  # not agreed on, or the program's own order untagged: it pairs
+            outcome = agree_graph(self.name, self.cfg, steps, g.program,
+                                  offered(g.sequences, g.step), g.workspaces,
+                                  check_ranks=False, **self.origin)
+            log.warning("fxcoalesce[%s]: the default process group was made anew since this "
+                        "graph was compiled; the ranks agreed again: %s (%s)", self.name,
+                        outcome.agreement.how, steps[outcome.step].label)
+            if outcome.step != g.step:
+                program_only, tag = True, outcome.tag if outcome.tagged else 0
+        self.run = ProgramOrder(self.gm, self.name, tag) if program_only else self.compiled
+
+
+def offered(sequences: list, step: int) -> list:
+    """What a rank that compiled ``step`` can run without compiling again: that step and the
+    program's own order; every other step is replaced by one no peer can match."""
+    last = len(sequences) - 1
+    return [seq if i in (step, last) else [(None, f"not compiled here: {i}")]
+            for i, seq in enumerate(sequences)]
+
+
+class ProgramOrder:
+    """The Dynamo graph run eagerly: the program's own order, where the ranks agreed again on
+    it for a graph compiled otherwise; ``tag``: carried as a compiled graph of that decision
+    carries it (0: none)."""
+
+    def __init__(self, gm, name: str, tag: int = 0):
+        self.gm, self.name, self.tag = gm, name, tag
+
+    def __call__(self, *args, **kwargs):
+        if not self.tag:
+            return self.gm(*args, **kwargs)
+        with _FirstTags(self.name, self.tag):
+            return self.gm(*args, **kwargs)
+
+
+class _FirstTags(TorchDispatchMode):
+    """Tag each group's checked first all_reduce (``checked.Firsts``), checked before
+    anything more is issued."""
+
+    def __init__(self, name: str, tag: int):
+        super().__init__()
+        self.name, self.tag, self.firsts = name, tag, Firsts()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        c10d = torch.ops._c10d_functional
+        if getattr(func, "namespace", "") != "_c10d_functional" or func is c10d.wait_tensor.default:
+            return func(*args, **kwargs)
+        x, group = args[0], args[-1]
+        if not _opens(self.firsts, group, func is c10d.all_reduce.default, str(args[1]), x):
+            return func(*args, **kwargs)
+        n = x.numel()
+        out = c10d.wait_tensor.default(func(_tagged(x, self.tag), args[1], group))
+        if not agrees(out[n:], self.tag):
+            raise CollectiveMismatchError(f"{message(self.name, self.tag)}. {FIX}")
+        return out[:n].view(x.shape).clone()
+
+
+def _opens(firsts: Firsts, group: str, is_all_reduce: bool, op: str, x) -> bool:
+    """Record one collective run eagerly; True where it is its group's checked first
+    all_reduce (the one a tag rides on)."""
+    world = dist.distributed_c10d._resolve_process_group(group).size()
+    return firsts.opens(group, is_all_reduce,
+                        is_all_reduce and taggable_value(op, x.dtype, world), x)
+
+
+def _tagged(x, tag: int):
+    """``x`` flattened, the tag's elements after it (``tag.bits``)."""
+    return torch.cat([x.reshape(-1), torch.tensor(bits(tag), dtype=x.dtype, device=x.device)])
 
 
 def _runs_original(new, orig) -> bool:

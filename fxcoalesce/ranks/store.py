@@ -4,10 +4,10 @@ peer's data collective.
 
 Under ``fxcoalesce/agree/v2/<restart>/``: ``<D>/p/<rank>`` a rank's first proposal for
 program key D (never overwritten); ``<D>/d`` the register of decision entries (a JSON list,
-extended by compare-and-set); ``log/<rank>`` every graph a rank proposed and where it starts
-in each group's stream; ``frames/<rank>`` the functions Dynamo compiled or runs uncompiled on
-that rank, and where; ``waits/<rank>`` the key a rank waits on, for whom; ``pid/<rank>``
-where it runs; ``ids`` the tag-id counter.
+extended by compare-and-set); ``log/<rank>`` every graph a rank proposed and every function
+Dynamo compiled or runs uncompiled there, each with where it starts in each group's stream;
+``waits/<rank>`` the key a rank waits on, for whom; ``pid/<rank>`` where it runs; ``ids`` the
+tag-id counter.
 """
 
 from __future__ import annotations
@@ -72,27 +72,17 @@ class Store:
             if self.store.compare_set(key, raw, new).decode() == new:
                 return current + [entry]
 
-    def _lines(self, kind: str, rank: int) -> list[dict]:
-        key = self.key(kind, rank)
-        if not self.store.check([key]):
-            return []
-        return [json.loads(x) for x in self.store.get(key).decode().splitlines() if x]
-
     def note(self, line: dict) -> None:
-        """A graph this rank proposed: where it starts, where it cut, what it issues."""
+        """A line of this rank's log: a graph it proposed (``{"d", "pos", "cut"}``, then what
+        it issues, ``{"d", "pos", "m"}``) or a frame Dynamo is done with (``{"fam", "pos",
+        "how"}``, how: "skipped" or "compiled"); ``pos``: where it stands in each group."""
         self.store.append(self.key("log", self.rank), json.dumps(line) + "\n")
 
     def notes(self, rank: int) -> list[dict]:
-        return self._lines("log", rank)
-
-    def framed(self, family: str, positions: dict, how: str) -> None:
-        """Dynamo is done with a frame of ``family`` here at ``positions`` (``how``: "skipped"
-        or "compiled")."""
-        self.store.append(self.key("frames", self.rank),
-                          json.dumps({"fam": family, "pos": positions, "how": how}) + "\n")
-
-    def frames(self, rank: int) -> list[dict]:
-        return self._lines("frames", rank)
+        key = self.key("log", rank)
+        if not self.store.check([key]):
+            return []
+        return [json.loads(x) for x in self.store.get(key).decode().splitlines() if x]
 
     def waits(self, d: str | None, missing: list[int] = ()) -> None:
         """This rank waits on key ``d`` for ``missing``'s proposals (None: no longer)."""

@@ -24,7 +24,7 @@ from torch.fx import GraphModule, Node
 
 import fxcoalesce.kernels  # noqa: F401  (registers fxcoalesce::tag_after)
 from fxcoalesce.checked import checked_firsts, taggable
-from fxcoalesce.collectives import describe, group_of, is_collective
+from fxcoalesce.collectives import is_collective
 from fxcoalesce.graph_order import reorder
 from fxcoalesce.meta import fake_mode_of, tensor_val
 from fxcoalesce.pipeline import emitter
@@ -32,7 +32,7 @@ from fxcoalesce.pipeline import emitter
 
 aten = torch.ops.aten
 MESSAGE_START = "fxcoalesce: at run time a peer issued another collective"
-"""How every check's message starts (``runtime.Guarded`` recognises it)."""
+"""How every check's message starts (``hooks.Guarded`` recognises it)."""
 TAG_BITS = 16
 """Bits of a tag id: 2 * TAG_BITS elements per tagged all_reduce."""
 CHECKED = "fxcoalesce_tag"
@@ -57,45 +57,6 @@ def agrees(tail: torch.Tensor, tag: int) -> bool:
 def _pair_sums(tail: torch.Tensor) -> torch.Tensor:
     half = tail[:TAG_BITS] + tail[TAG_BITS:]
     return torch.cat([half, half])
-
-
-def first_tagged(gm: GraphModule) -> dict[str | None, Node]:
-    """:func:`checked_firsts` of ``gm``'s collectives."""
-    return checked_firsts([n for n in gm.graph.nodes if is_collective(n)])
-
-
-def _prefix(gm: GraphModule, first: Node) -> list[str]:
-    """The collectives of ``first``'s group before it, described without their origin."""
-    out = []
-    for n in gm.graph.nodes:
-        if n is first:
-            return out
-        if is_collective(n) and group_of(n) == group_of(first):
-            out.append(describe(n).split(" <- ")[0])
-    return out
-
-
-def compatible(program: GraphModule, rewritten: GraphModule) -> str | None:
-    """Why ``rewritten``'s first all_reduce in some group could not pair, tag for tag, with
-    the program's own first all_reduce of that group at that place (None when every group's
-    can): another kind, op, dtype or element count, or other collectives of the group before
-    it."""
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-
-    firsts_a, firsts_b = first_tagged(program), first_tagged(rewritten)
-    for group in sorted(firsts_a.keys() | firsts_b.keys(), key=str):
-        a, b = firsts_a.get(group), firsts_b.get(group)
-        if a is None or b is None:
-            return f"no tagged all_reduce in group {group} where the program has one"
-        if _prefix(program, a) != _prefix(rewritten, b):
-            return f"other collectives of group {group} before its first tagged all_reduce"
-        va, vb = tensor_val(a.args[0]), tensor_val(b.args[0])
-        if (str(a.args[1]), va.dtype) != (str(b.args[1]), vb.dtype):
-            return f"its first all_reduce in group {group} has another op or dtype"
-        if not statically_known_true(va.numel() == vb.numel()):
-            return (f"its first all_reduce in group {group} has {vb.numel()} elements where "
-                    f"the program's has {va.numel()}")
-    return None
 
 
 def plan(gm: GraphModule, *, world: Callable[[Node], int]) -> list[tuple[Node, str]]:
@@ -152,7 +113,7 @@ def tag_pass(gm: GraphModule, tag: int, *, world: Callable[[Node], int], where: 
 def message(where: str, tag: int, check: int = 0) -> str:
     """The check's error: short (CUDA's device assert takes under 255 characters) and plain
     (it is embedded in generated C++ as a string literal: no quotes or backslashes); the
-    wrapper (``runtime.Guarded``) adds what to do where it can. ``check``: which of the
+    wrapper (``hooks.Guarded``) adds what to do where it can. ``check``: which of the
     graph's checks (0: its first group's), read back by :func:`failed_check`."""
     text = (f"{MESSAGE_START} than this rank here ({where[:40]}, tag {tag}, check {check}): "
             "it runs "
