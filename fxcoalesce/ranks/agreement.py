@@ -27,13 +27,13 @@ from .store import RESERVED_ID, Store
 log = logging.getLogger("fxcoalesce")
 DEFAULT_TIMEOUT_S = 120.0
 TIMEOUT_ENV = "FXCOALESCE_AGREE_TIMEOUT"
-RECUT_WAIT_S = 10.0
+RECUT_WAIT_S = 5.0
 """The wait for a later graph of a function the ranks agreed a graph of (a recompile, the rest
-after a graph break): peers that compile it come within compile skew; a peer that re-cut, or
-waits in an eager collective that this graph issues (fuzz seed 570517), never."""
-CHECK_WAIT_S = 5.0
-"""The wait for a graph compared for ``check_ranks`` alone (every step issues the program's
-order): a peer later than that reads the "timed out" entry and runs that order too."""
+after a graph break), and for a graph compared for ``check_ranks`` alone: peers that compile
+it come within compile skew; a peer that recompiled nothing (it runs its cached graph), re-cut,
+or waits in an eager collective that this graph issues (fuzz seeds 570517, 580632), never. A
+peer later than that reads the "timed out" entry and runs the program's order too. (10 s met
+a steady step's allowance, plain's time + 10 s, in 580632.)"""
 POLL_S = (0.002, 0.05)
 PARTED = ("guards differ", "cut differently", "runs uncompiled")
 """Ranks parted on a function for good (a skip holds in a group made anew): no wait again."""
@@ -738,13 +738,13 @@ class _Run:
 
     def _limit(self) -> tuple[float, str]:
         """(the longest wait, what sets it): ``agree_timeout_s``, :data:`RECUT_WAIT_S` for a
-        later graph of a function the ranks agreed on, :data:`CHECK_WAIT_S` for a graph compared
-        for ``check_ranks`` alone, or half the graph's groups' shortest timeout if shorter."""
+        later graph of a function the ranks agreed on or a graph compared for ``check_ranks``
+        alone, or half the graph's groups' shortest timeout if shorter."""
         limit, bound = timeout_s(self.cfg), "agree_timeout_s"
-        if (self.marked or self.later) and RECUT_WAIT_S < limit:
-            limit, bound = RECUT_WAIT_S, "a later graph of a function the ranks agreed on"
-        elif self.checked_only and CHECK_WAIT_S < limit:
-            limit, bound = CHECK_WAIT_S, "a graph compared for check_ranks alone"
+        if (self.marked or self.later or self.checked_only) and RECUT_WAIT_S < limit:
+            limit, bound = RECUT_WAIT_S, ("a graph compared for check_ranks alone"
+                                          if self.checked_only else
+                                          "a later graph of a function the ranks agreed on")
         for g in self.proposal["pos"]:
             t = self.env.timeout(g)
             if t is not None and t / 2 < limit:  # a peer already in a collective outlives it
