@@ -64,3 +64,19 @@ def test_a_forked_rank_is_like_a_fresh_python_and_ranks_differ_in_hash_seed(tmp_
     again = json.loads(_run(tmp_path, 0, "ok", shared)[1])
     assert other["hash"] != first["hash"] == again["hash"]  # rank 1: another interpreter
     assert again["rand"] != first["rand"]  # random reseeded per child
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here: the runner execs")
+def test_a_zygote_of_another_environment_replaces_the_one_of_its_rank(tmp_path):
+    """One zygote per rank index: under pytest every test has its own environment
+    (PYTEST_CURRENT_TEST), and a zygote kept per environment filled CI's 24 GiB."""
+    shared = {k: v for k, v in os.environ.items() if not k.startswith("ZYG_")}
+    shared["PYTHONPATH"] = os.pathsep.join(sys.path)
+    assert _run(tmp_path, 0, "ok", shared)[0] == 0
+    old = zygote._POOL[0][1]
+    script = tmp_path / "prog.py"
+    p = zygote.fork(0, str(script), str(tmp_path), {**shared, "WHAT": "exit3"},
+                    str(tmp_path / "b.out"), str(tmp_path / "b.err"), {**shared, "ZYG_B": "1"})
+    assert p.wait() == 3  # waits on the zygote's news, holding its condition
+    assert zygote._POOL[0][1] is not old and len(zygote._POOL) <= 2
+    assert old.proc.wait(timeout=30) == 0  # retired: it left once its children were reaped

@@ -19,9 +19,10 @@ from pathlib import Path
 from . import zygote
 
 ROOT = Path(__file__).resolve().parents[2]
-# set per run and per rank; read by nothing zygote.PRELOAD imports
+# set per run and per rank (pytest's per test); read by nothing zygote.PRELOAD imports
 _PER_RUN = ("MASTER_PORT", "FUZZ_PORTS", "WORLD_SIZE", "FUZZ_VARIANT", "FUZZ_INDUCTOR",
-            "FUZZ_GROUP_TIMEOUT", "TORCHINDUCTOR_CACHE_DIR", "RANK", "FUZZ_RESULTS")
+            "FUZZ_GROUP_TIMEOUT", "TORCHINDUCTOR_CACHE_DIR", "RANK", "FUZZ_RESULTS",
+            "PYTEST_CURRENT_TEST")
 
 
 @dataclass

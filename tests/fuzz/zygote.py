@@ -133,7 +133,8 @@ class Forked:
 
     def wait(self):
         while self.poll() is None:
-            self._z.changed.wait(0.1)
+            with self._z.changed:
+                self._z.changed.wait(0.1)
         return self.returncode
 
 
@@ -183,7 +184,10 @@ class _Zygote:
             pass
 
 
-_POOL: dict[tuple, _Zygote] = {}
+_POOL: dict[int, tuple[str, _Zygote]] = {}
+"""One zygote per rank index, with the environment it imported under: one of another
+environment replaces it (under pytest, one per test would pile up: 25 replays, 3 ranks each,
+~380 MB a zygote filled 24 GiB and the OOM killer took ranks and a worker in CI)."""
 _POOL_LOCK = threading.Lock()
 
 
@@ -192,13 +196,14 @@ def fork(rank: int, script: str, cwd: str, env: dict, stdout: str, stderr: str,
     """Rank ``rank``'s process for ``script`` from zygote ``rank`` (started, or replaced after
     ``FORKS`` children, here). ``zygote_env``: the environment the imports see (what every
     run shares: OMP_NUM_THREADS, PYTHONPATH...)."""
-    key = (rank, json.dumps(sorted(zygote_env.items())))
+    key = json.dumps(sorted(zygote_env.items()))
     with _POOL_LOCK:
-        z = _POOL.get(key)
-        if z is None or z.forks >= FORKS or z.proc.poll() is not None:
+        was, z = _POOL.get(rank, (None, None))
+        if z is None or was != key or z.forks >= FORKS or z.proc.poll() is not None:
             if z is not None:
                 z.retire()
-            z = _POOL[key] = _Zygote(zygote_env)
+            z = _Zygote(zygote_env)
+            _POOL[rank] = key, z
     return z.fork({"script": script, "cwd": cwd, "env": env, "stdout": stdout,
                    "stderr": stderr})
 
