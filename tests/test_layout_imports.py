@@ -17,7 +17,8 @@ bounded wait, fuzz seed 119; 2,033 (session 20): the ladder's copies without sym
 out, a store lost mid-agreement in, fuzz seed 560015); 1,970 (session 21): ``compatible`` out
 (the property test pins what it checked), one log of graphs and frames, ``Process`` and
 ``RankEnv`` one object, ``runtime`` in ``hooks`` with one eager tagger; the print reordering
-at a lone recompile in.
+at a lone recompile in; 1,971 (session 22): a peer's note read over its own groups, fuzz seed
+590065.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 ORDER = ["models", "core", "passes", "pipeline", "ranks", "graph_compile", "compiler", "apps"]
-RANK_SAFETY_LINES = 1970
+RANK_SAFETY_LINES = 1971
 RANK_SAFETY = ["fxcoalesce/ranks", "fxcoalesce/checked.py", "fxcoalesce/errors.py",
                "fxcoalesce/kernels/tag_check.py"]
 

@@ -383,3 +383,32 @@ def test_a_rank_whose_store_went_away_compiles_the_programs_order():
     env.rewritten.add("f@x.py")
     out = agree()
     assert (out.step, out.tagged, out.tag) == (len(steps) - 1, True, RESERVED_ID)
+
+
+def test_a_peer_that_cut_the_function_before_any_collective_ends_the_wait_at_once():
+    """Fuzz seed 590065 (4 ranks): rank 0 calls a disabled ``mix`` (an all_reduce on its half of
+    the world) first, so its graph of ``step_fn`` ends before any collective, and it then waits
+    in that eager all_reduce for rank 1, which waits to agree on its whole ``step_fn``. Rank
+    0's note says where it compiled ``step_fn``; rank 1's graph also runs over a group rank 0
+    is not in (the strided half {1, 3}), which the note cannot place and must not count:
+    rank 1 reads "cut differently" at once, not after half the group's timeout (20 s)."""
+    from torch.distributed import HashStore
+
+    from fxcoalesce.ranks.agreement import RankEnv, agree_graph, ladder
+    from fxcoalesce.ranks.store import Store
+
+    groups = {"world": [0, 1, 2, 3], "halves": [0, 1], "strided": [1, 3]}
+    store = HashStore()
+    Store(store, 0, "t").note({"fam": "step_fn@p.py", "how": "compiled",
+                               "pos": {"world": 0, "halves": 0, "other": 0}})
+    cfg = fxcoalesce.Config(agree_timeout_s=30)
+    steps = ladder(cfg)
+    program = [(g, f"all_reduce(f32[8], 'sum', {g})") for g in groups]
+    merged = [program[0], ("strided", "all_reduce(f32[16], 'sum', strided)")]
+    env = RankEnv(Store(store, 1, "t"), members=groups.__getitem__, position=lambda g: 0,
+                  timeout=lambda g: None)
+    t0 = time.monotonic()
+    out = agree_graph("g", cfg, steps, program, [merged] * (len(steps) - 1) + [program],
+                      [0] * len(steps), check_ranks=False, frame="step_fn@p.py:3", env=env)
+    assert (out.agreement.how, out.step) == ("cut differently", len(steps) - 1), out.agreement
+    assert time.monotonic() - t0 < 5

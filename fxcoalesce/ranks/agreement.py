@@ -796,7 +796,8 @@ class _Run:
                                                "graph: it will not propose it")
                 if s["fam"] != self.family:
                     continue
-                theirs = [(s["pos"].get(g, -1), at) for g, at in pos.items() if at is not None]
+                theirs = [(s["pos"][g], at) for g, at in pos.items()  # its groups only
+                          if at is not None and g in s["pos"]]
                 name = s["fam"].split("@")[0]
                 if s["how"] == "skipped" and all(p <= at for p, at in theirs):
                     return "runs uncompiled", (f"rank {q} runs {name} uncompiled (Dynamo "
