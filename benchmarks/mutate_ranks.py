@@ -3,7 +3,7 @@ one mechanism off in a copy of the checkout (its function returns at once, or it
 reads False); ``control`` changes nothing (the same load, no mutation: what fails there is no
 evidence). ``mutate_ranks.sh NAME...`` runs the rank tests on each, all at once (a 16-CPU
 host). Session 20 ran five of them on 2 cores
-(``results/mutations_rank_safety_b23615a_2026-12-07/``)."""
+(``results/mutations_rank_safety_b23615a_2026-12-07/``, its script in git history)."""
 import ast, sys
 from pathlib import Path
 
